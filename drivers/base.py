@@ -1,0 +1,172 @@
+"""The one door between the HTTP world and any engine.
+
+A driver turns a `GenerationRequest` into an async stream of
+`GenerationChunk`s. Every engine (the native one, SGLang over HTTP, the
+synthetic load generator) is a `Driver`; the gateway never knows which.
+
+Errors cross this seam as the typed exceptions below and are mapped to HTTP
+in one place (`gateway.errors`). A driver raises them either from
+`generate()` before the first chunk (bad request, overloaded, model unknown)
+or mid-stream (engine died).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+
+import msgspec
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS token, stop token id or stop string
+    LENGTH = "length"  # max_tokens or the context length reached
+    ABORT = "abort"  # cancelled (client gone, shutdown)
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One completion to produce. Exactly one of `prompt`, `prompt_token_ids`, `messages` is set."""
+
+    request_id: str
+    model: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    max_tokens: int | None = None  # None: up to the context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; N: sampled token's logprob plus top N alternatives
+    priority: int = 0  # lower value = more important (tier 0 is the highest)
+    tenant_id: str | None = None
+
+
+class TopLogprob(msgspec.Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """New output of one request since its previous chunk.
+
+    `text` never ends inside a UTF-8 character; stop strings are already cut.
+    `prompt_tokens` and `completion_tokens` are running totals.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    # Timestamps (time.time()) the engine recorded; filled on the final chunk.
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    node_id: str | None = None
+
+
+class ModelCard(msgspec.Struct, frozen=True):
+    id: str
+    max_model_len: int
+    owned_by: str = "sluice"
+    created: int = 0
+
+
+class DriverHealth(msgspec.Struct, frozen=True):
+    ready: bool
+    detail: str = ""
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    preemptions: int = 0
+    generation_tokens_per_s: float = 0.0
+
+
+class DriverError(Exception):
+    """Base of every error a driver raises across the seam."""
+
+
+class InvalidRequestError(DriverError):
+    """The request can never succeed as sent (400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFoundError(DriverError):
+    """No served model has this name (404)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model}' does not exist")
+        self.model = model
+
+
+class OverloadedError(DriverError):
+    """The engine cannot take the request now; the client should retry after `retry_after` seconds (503)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDeadError(DriverError):
+    """The engine process is gone; requests fail fast (503) until it is restarted."""
+
+
+class Driver(ABC):
+    """Implementations are registered by name in `drivers.registry`."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Load models / connect. Called once before the first request."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Abort in-flight requests and release every resource."""
+
+    @abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream the request's output. Closing the iterator early (client gone) must abort the
+        request in the engine, so implementations abort in their `finally`."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request; a no-op when it already finished."""
+
+    @abstractmethod
+    async def health(self) -> DriverHealth: ...
+
+    @abstractmethod
+    def models(self) -> list[ModelCard]: ...
+
+    @abstractmethod
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """Tokens the prompt will take (after the chat template); raises InvalidRequestError or
+        ModelNotFoundError. Lets the gateway validate and charge limits before dispatch."""

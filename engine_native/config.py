@@ -1,0 +1,79 @@
+"""Frozen configuration for the native engine, one dataclass per layer.
+
+Environment variables are never read here: the CLI/driver builds these
+objects at the edge and hands them down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a decoder-only transformer (Llama family, Qwen2)."""
+
+    architecture: str  # "llama" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama-3 style RoPE scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}; None means plain RoPE.
+    rope_scaling: dict[str, float | str] | None = None
+    attention_bias: bool = False  # Qwen2 has a bias on q/k/v projections
+    tie_word_embeddings: bool = False
+    name: str = "model"
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies across all layers, per byte of element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: one pool of fixed-size blocks allocated once at start."""
+
+    block_size: int = 16  # tokens per block
+    # Exactly one of these sizes the pool; num_blocks wins when both are set.
+    num_blocks: int | None = None
+    memory_bytes: int | None = None
+    memory_fraction: float = 0.25  # of the host memory available at start, when neither is set
+    enable_prefix_caching: bool = False
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The throughput/latency knobs of continuous batching."""
+
+    max_num_seqs: int = 64  # cap on running sequences per step
+    max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
+    long_prefill_token_threshold: int = 256  # a single prompt never takes more than this per step
+    max_waiting: int = 1024  # bound of the waiting queue; add_request beyond it is refused
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine process needs to start."""
+
+    model_path: str
+    dtype: str = "bfloat16"  # weight/activation dtype: "float32" or "bfloat16"
+    kv_dtype: str | None = None  # defaults to dtype
+    num_threads: int | None = None  # torch intra-op threads; None = all cores
+    max_model_len: int | None = None  # defaults to the model's context length
+    served_model_name: str | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    node_id: str = "node-0"

@@ -1,0 +1,55 @@
+"""Contracts that model loaders, architectures and tokenizers plug into.
+
+The runner sees only `CausalLM` and `Tokenizer`; `load_model` in
+`engine_native.model.loader` turns a path (a .gguf file or a Hugging Face
+folder) into a `LoadedModel`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine_native.config import ModelConfig
+from engine_native.forward_batch import ForwardBatch, KVCache
+
+
+class ModelLoadError(Exception):
+    """A model file is missing, malformed or of an unsupported kind; the message names what was found."""
+
+
+class CausalLM(Protocol):
+    config: ModelConfig
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Write the new tokens' K/V into `kv_cache`, return float32 logits
+        [len(batch.logits_indices), vocab_size]."""
+        ...
+
+
+class Tokenizer(Protocol):
+    bos_token_id: int | None
+    eos_token_ids: list[int]  # every id that ends generation (e.g. <|im_end|> and <|endoftext|>)
+    add_bos_token: bool
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def id_to_token(self, token_id: int) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render OpenAI-style messages with the model's own template; raise ValueError on bad roles."""
+        ...
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: Tokenizer | None  # None only for weight-only folders (tests feed token ids)
+    config: ModelConfig
+    dtype: torch.dtype
+    source: str  # the path it came from
