@@ -1,0 +1,260 @@
+"""The driver for Sluice's own engine: tokenizes here, generates in engine processes.
+
+Prompts are tokenized in the gateway process (so lengths can be checked and
+charged before dispatch); the engine process detokenizes and applies stop
+strings. Requests go to the engine node with the fewest requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from drivers.base import (
+    Driver,
+    DriverHealth,
+    EngineDeadError,
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    ModelCard,
+    ModelNotFoundError,
+    OverloadedError,
+    TokenLogprob,
+    TopLogprob,
+)
+from engine_native.client import AsyncEngineClient, EngineRequestError
+from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine_native.messages import AddRequest, LogprobEntry, RequestOutput
+from engine_native.model.base import Tokenizer
+from engine_native.model.bundled import bundled_model_path
+from engine_native.model.loader import load_tokenizer
+from engine_native.request import FinishReason as EngineFinishReason
+from engine_native.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    EngineFinishReason.STOP: FinishReason.STOP,
+    EngineFinishReason.LENGTH: FinishReason.LENGTH,
+    EngineFinishReason.ABORT: FinishReason.ABORT,
+}
+
+
+class NativeDriver(Driver):
+    def __init__(
+        self,
+        model_path: str | None = None,
+        dtype: str = "bfloat16",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        kv_cache_memory_bytes: int | None = None,
+        served_model_name: str | None = None,
+        num_threads: int | None = None,
+        max_waiting: int = 1024,
+        num_engines: int = 1,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        long_prefill_token_threshold: int = 256,
+        max_model_len: int | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.model_path = model_path or bundled_model_path()
+        self.served_model_name = served_model_name or "smollm2-135m-instruct"
+        self.max_waiting = max_waiting
+        self._configs = [
+            EngineConfig(
+                model_path=self.model_path,
+                dtype=dtype,
+                num_threads=num_threads,
+                max_model_len=max_model_len,
+                served_model_name=self.served_model_name,
+                node_id=f"node-{i}",
+                cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                                  memory_bytes=kv_cache_memory_bytes),
+                scheduler=SchedulerConfig(
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    long_prefill_token_threshold=long_prefill_token_threshold,
+                    max_waiting=max_waiting,
+                ),
+            )
+            for i in range(num_engines)
+        ]
+        self._progress = progress
+        self.engines: list[AsyncEngineClient] = []
+        self.tokenizer: Tokenizer | None = None
+        self.max_model_len = 0
+
+    # ----- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
+        self.engines = [AsyncEngineClient(c, progress=self._progress) for c in self._configs]
+        infos = await asyncio.gather(*(e.start() for e in self.engines))
+        self.max_model_len = min(i.max_model_len for i in infos)
+        log.info("native driver ready: model=%s nodes=%d max_model_len=%d",
+                 self.served_model_name, len(self.engines), self.max_model_len)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(e.shutdown() for e in self.engines), return_exceptions=True)
+
+    # ----- the seam --------------------------------------------------------------------
+
+    def models(self) -> list[ModelCard]:
+        return [ModelCard(id=self.served_model_name, max_model_len=self.max_model_len)]
+
+    def _check_model(self, request: GenerationRequest) -> None:
+        if request.model != self.served_model_name:
+            raise ModelNotFoundError(request.model)
+
+    def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
+        self._check_model(request)
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidRequestError("this model has no tokenizer; send prompt token ids", param="prompt")
+        if request.messages is not None:
+            try:
+                text = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param="messages") from exc
+            return tok.encode(text, add_special_tokens=False)
+        return tok.encode(request.prompt or "", add_special_tokens=True)
+
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return len(self.prompt_token_ids(request))
+
+    def _sampling_params(self, request: GenerationRequest, n_prompt: int) -> SamplingParams:
+        room = self.max_model_len - n_prompt
+        max_tokens = request.max_tokens if request.max_tokens is not None else room
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            repetition_penalty=request.repetition_penalty,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            seed=request.seed,
+            stop=list(request.stop),
+            stop_token_ids=list(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+            logprobs=request.logprobs,
+        )
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        if n_prompt + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} "
+                "for the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
+        return params
+
+    def _pick_engine(self) -> AsyncEngineClient:
+        alive = [e for e in self.engines if e.alive]
+        if not alive:
+            reasons = "; ".join(f"{e.config.node_id}: {e.dead_reason}" for e in self.engines)
+            raise EngineDeadError(f"no engine is running ({reasons})")
+        return min(alive, key=lambda e: e.num_in_flight)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        prompt_ids = self.prompt_token_ids(request)
+        params = self._sampling_params(request, len(prompt_ids))
+        engine = self._pick_engine()
+        capacity = engine.config.scheduler.max_num_seqs + self.max_waiting
+        if engine.num_in_flight >= capacity:
+            raise OverloadedError(f"{engine.num_in_flight} requests in flight on {engine.config.node_id}",
+                                  retry_after=self._retry_after(engine))
+        try:
+            stream = engine.add(AddRequest(
+                request_id=request.request_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=params,
+                priority=request.priority,
+                arrival_time=time.time(),
+                tenant_id=request.tenant_id,
+            ))
+        except EngineRequestError as exc:
+            raise EngineDeadError(str(exc)) from exc
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, EngineRequestError):
+                    finished = True
+                    if item.engine_dead:
+                        raise EngineDeadError(str(item))
+                    if item.queue_full:
+                        raise OverloadedError(str(item), retry_after=self._retry_after(engine))
+                    raise InvalidRequestError(str(item))
+                finished = item.finish_reason is not None
+                yield self._chunk(item, engine.config.node_id)
+                if finished:
+                    return
+        finally:
+            if not finished:
+                engine.abort([request.request_id])
+
+    def _retry_after(self, engine: AsyncEngineClient) -> float:
+        """Seconds until the queue ahead has likely drained, from the engine's recent throughput."""
+        stats = engine.stats
+        if stats is None or stats.generation_tokens_per_s <= 0:
+            return 1.0
+        backlog_tokens = (stats.waiting + stats.running) * 64
+        return max(1.0, min(60.0, backlog_tokens / stats.generation_tokens_per_s))
+
+    def _chunk(self, out: RequestOutput, node_id: str) -> GenerationChunk:
+        return GenerationChunk(
+            request_id=out.request_id,
+            text=out.new_text,
+            token_ids=out.new_token_ids,
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            finish_reason=_FINISH[EngineFinishReason(out.finish_reason)] if out.finish_reason is not None else None,
+            logprobs=[_logprob(e) for e in out.logprobs] if out.logprobs is not None else None,
+            arrival_time=out.arrival_time,
+            first_scheduled_time=out.first_scheduled_time,
+            first_token_time=out.first_token_time,
+            finish_time=out.finish_time,
+            node_id=node_id,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        for engine in self.engines:
+            engine.abort([request_id])
+
+    async def health(self) -> DriverHealth:
+        alive = [e for e in self.engines if e.alive]
+        stats = [e.stats for e in alive if e.stats is not None]
+        detail = "" if len(alive) == len(self.engines) else "; ".join(
+            f"{e.config.node_id}: {e.dead_reason}" for e in self.engines if not e.alive
+        )
+        return DriverHealth(
+            ready=bool(self.engines) and len(alive) == len(self.engines),
+            detail=detail,
+            running=sum(s.running for s in stats),
+            waiting=sum(s.waiting for s in stats),
+            kv_blocks_used=sum(s.kv_blocks_used for s in stats),
+            kv_blocks_total=sum(s.kv_blocks_total for s in stats),
+            preemptions=sum(s.num_preemptions for s in stats),
+            generation_tokens_per_s=sum(s.generation_tokens_per_s for s in stats),
+        )
+
+
+def _logprob(entry: LogprobEntry) -> TokenLogprob:
+    return TokenLogprob(
+        token=entry.token,
+        logprob=entry.logprob,
+        bytes=list(entry.token.encode("utf-8")),
+        top_logprobs=[TopLogprob(t.token, t.logprob, list(t.token.encode("utf-8"))) for t in entry.top],
+    )

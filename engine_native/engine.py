@@ -1,0 +1,253 @@
+"""The synchronous engine: one `step()` = schedule, run the model, update, detokenize.
+
+    scheduler.schedule() -> SchedulerOutput
+    runner.execute(SchedulerOutput) -> RunnerOutput
+    scheduler.update_from_output(...) -> list[TokenUpdate] -> list[RequestOutput]
+
+It runs inside the engine process (`engine_native.process`); tests and the
+benchmark also drive it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from engine_native.config import EngineConfig
+from engine_native.detokenizer import IncrementalDetokenizer
+from engine_native.forward_batch import KVCache
+from engine_native.kv_cache_manager import KVCacheManager
+from engine_native.messages import EngineStats, LogprobEntry, LogprobTop, RequestOutput
+from engine_native.model.base import LoadedModel, Tokenizer
+from engine_native.model.loader import load_model
+from engine_native.request import Request, RequestStatus
+from engine_native.runner import ModelRunner
+from engine_native.sampler import TokenLogprobs, make_generator
+from engine_native.sampling_params import SamplingParams
+from engine_native.scheduler import QueueFullError, Scheduler, TokenUpdate
+from engine_native.sizing import num_kv_blocks
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of float32, bfloat16") from None
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of a request beyond what the scheduler keeps."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, progress: bool = True) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        dtype = parse_dtype(config.dtype)
+        self.loaded = loaded or load_model(config.model_path, dtype=dtype, progress=progress)
+        model_cfg = self.loaded.config
+        self.tokenizer: Tokenizer | None = self.loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings)
+        kv_dtype = parse_dtype(config.kv_dtype) if config.kv_dtype else self.loaded.dtype
+        block_size = config.cache.block_size
+        num_blocks = num_kv_blocks(config, model_cfg, kv_dtype, self.max_model_len)
+        kv = KVCache.allocate(
+            model_cfg.num_layers, num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim, kv_dtype
+        )
+        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.runner = ModelRunner(self.loaded.model, kv, block_size)
+        self.model_name = config.served_model_name or model_cfg.name
+        self._tracked: dict[str, _Tracked] = {}
+        self._eos = frozenset(self.tokenizer.eos_token_ids) if self.tokenizer else frozenset()
+        self.steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated in that step)
+        log.info(
+            "engine ready: model=%s dtype=%s max_model_len=%d kv_blocks=%d x %d tokens",
+            self.model_name, dtype, self.max_model_len, num_blocks, block_size,
+        )
+
+    # ----- requests --------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        tenant_id: str | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError if it is invalid, QueueFullError if the queue is full."""
+        params.validate()
+        vocab = self.loaded.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            priority=priority,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            tenant_id=tenant_id,
+            eos_token_ids=self._eos,
+            generator=make_generator(params.seed),
+        )
+        self.scheduler.add_request(request)
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params) if self.tokenizer else None
+        self._tracked[request_id] = _Tracked(request, detok)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort requests wherever they are; their blocks are free when this returns."""
+        outputs = []
+        for rid in request_ids:
+            request = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            tracked = self._tracked.pop(rid, None)
+            if request is not None and tracked is not None:
+                outputs.append(self._final_output(request, [], "", None))
+        return outputs
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ----- the step --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched, self.kv_cache.block_table)
+        updates = self.scheduler.update_from_output(sched, result)
+        self.steps += 1
+        now = time.time()
+        self.prompt_tokens_total += sum(
+            s.num_new_tokens for s in sched.scheduled if s.num_computed_before < s.request.num_prompt_tokens
+        )
+        self.generation_tokens_total += len(updates)
+        self._recent.append((now, len(updates)))
+        while self._recent and now - self._recent[0][0] > 5.0:
+            self._recent.popleft()
+        return [self._process(u, now) for u in updates]
+
+    def _process(self, update: TokenUpdate, now: float) -> RequestOutput:
+        request = update.request
+        tracked = self._tracked[request.request_id]
+        text = ""
+        finished = update.finished
+        if tracked.detokenizer is not None:
+            text = tracked.detokenizer.append(update.new_token_id)
+            if tracked.detokenizer.stopped is not None and not finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                request.stop_reason = tracked.detokenizer.stopped
+                finished = True
+            if finished:
+                text += tracked.detokenizer.flush()
+        logprobs = [self._logprob_entry(update.logprobs)] if update.logprobs is not None else None
+        if finished:
+            del self._tracked[request.request_id]
+            return self._final_output(request, [update.new_token_id], text, logprobs, now)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[update.new_token_id],
+            new_text=text,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            token_time=now,
+            logprobs=logprobs,
+        )
+
+    def _final_output(
+        self,
+        request: Request,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[LogprobEntry] | None,
+        now: float | None = None,
+    ) -> RequestOutput:
+        reason = request.finish_reason
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            token_time=now or time.time(),
+            finish_reason=int(reason) if reason is not None else None,
+            stop_reason=request.stop_reason,
+            logprobs=logprobs,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finish_time=request.finish_time or now,
+            num_preemptions=request.num_preemptions,
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
+
+    def _logprob_entry(self, lp: TokenLogprobs) -> LogprobEntry:
+        return LogprobEntry(
+            token_id=lp.token_id,
+            token=self._token_text(lp.token_id),
+            logprob=lp.logprob,
+            top=[LogprobTop(t, self._token_text(t), v) for t, v in lp.top],
+        )
+
+    # ----- reporting -------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        usage = self.kv_cache.usage()
+        now = time.time()
+        window = [(t, n) for t, n in self._recent if now - t <= 5.0]
+        span = (now - window[0][0]) if len(window) > 1 else 0.0
+        rate = sum(n for _, n in window) / span if span > 0 else 0.0
+        return EngineStats(
+            node_id=self.config.node_id,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=usage.num_used,
+            kv_blocks_total=usage.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefill_chunks=self.scheduler.num_prefill_chunks,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            generation_tokens_per_s=rate,
+            steps=self.steps,
+            timestamp=now,
+        )
+
+    # ----- convenience for tests and benchmarks -----------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion; returns each one's output token ids, in order."""
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{self.steps}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, all_params, strict=True):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished:
+            for out in self.step():
+                results[out.request_id].extend(out.new_token_ids)
+        return [results[rid] for rid in ids]
+
+
+__all__ = ["LLMEngine", "QueueFullError", "parse_dtype"]

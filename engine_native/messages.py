@@ -1,0 +1,107 @@
+"""Typed messages on the wire between an engine process and its clients (msgspec).
+
+Client -> engine: AddRequest, AbortRequest, Shutdown.
+Engine -> client: StepOutputs (every step that produced something) and
+EngineStats (after steps and periodically when idle), AddRejected when a
+request could not be queued, EngineReady once the model is loaded, and
+EngineFailed before the process exits on an error.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine_native.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add", kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float
+    tenant_id: str | None = None
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ClientMessage = AddRequest | AbortRequest | Shutdown
+
+
+class LogprobTop(msgspec.Struct, array_like=True):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class LogprobEntry(msgspec.Struct, array_like=True):
+    token_id: int
+    token: str
+    logprob: float
+    top: list[LogprobTop]
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """New output of one request from one step. `finish_reason` is a request.FinishReason value."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    token_time: float  # when this step's token was produced
+    finish_reason: int | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[LogprobEntry] | None = None
+    # Set on the final output only.
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+
+class StepOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[RequestOutput]
+
+
+class AddRejected(msgspec.Struct, tag="rejected", kw_only=True):
+    request_id: str
+    reason: str
+    queue_full: bool  # True: retry later; False: the request itself is invalid
+
+
+class EngineStats(msgspec.Struct, tag="stats", kw_only=True):
+    node_id: str
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    num_prefill_chunks: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    generation_tokens_per_s: float  # over the recent window
+    steps: int
+    timestamp: float
+
+
+class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
+    node_id: str
+    model_name: str
+    max_model_len: int
+    kv_blocks_total: int
+    block_size: int
+
+
+class EngineFailed(msgspec.Struct, tag="failed"):
+    error: str
+
+
+EngineMessage = StepOutputs | AddRejected | EngineStats | EngineReady | EngineFailed

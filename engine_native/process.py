@@ -1,0 +1,112 @@
+"""The engine process: owns an LLMEngine and runs its step loop, so torch never blocks an event loop.
+
+Its whole world is two pipes of msgspec-encoded messages (`messages.py`).
+Inputs are drained before every step, so an abort takes effect within one
+step; when idle it blocks on the input pipe instead of spinning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from engine_native.config import EngineConfig
+from engine_native.messages import (
+    AbortRequest,
+    AddRejected,
+    AddRequest,
+    ClientMessage,
+    EngineFailed,
+    EngineMessage,
+    EngineReady,
+    Shutdown,
+    StepOutputs,
+)
+
+IDLE_POLL_S = 0.25  # how often an idle engine re-sends its stats
+STATS_INTERVAL_S = 0.1  # the most often a busy engine sends stats
+
+
+def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, progress: bool = True) -> None:
+    """Entry point of the spawned process."""
+    logging.basicConfig(
+        level=os.environ.get("SLUICE_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s %(levelname)s engine[{config.node_id}] %(name)s: %(message)s",
+    )
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(ClientMessage)
+
+    def send(msg: EngineMessage) -> None:
+        outbox.send_bytes(encoder.encode(msg))
+
+    try:
+        from engine_native.engine import LLMEngine  # imported here: torch loads in the child only
+
+        engine = LLMEngine(config, progress=progress)
+    except Exception as exc:  # noqa: BLE001 - the parent must learn why start-up failed
+        send(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        return
+    send(
+        EngineReady(
+            node_id=config.node_id,
+            model_name=engine.model_name,
+            max_model_len=engine.max_model_len,
+            kv_blocks_total=engine.kv_cache.num_blocks,
+            block_size=engine.kv_cache.block_size,
+        )
+    )
+    log = logging.getLogger("engine_native.process")
+    last_stats = 0.0
+    try:
+        while True:
+            timeout = 0.0 if engine.has_unfinished else IDLE_POLL_S
+            while inbox.poll(timeout):
+                timeout = 0.0
+                msg = decoder.decode(inbox.recv_bytes())
+                if isinstance(msg, Shutdown):
+                    return
+                if isinstance(msg, AbortRequest):
+                    aborted = engine.abort(msg.request_ids)
+                    if aborted:
+                        send(StepOutputs(aborted))
+                elif isinstance(msg, AddRequest):
+                    _add(engine, msg, send)
+            if engine.has_unfinished:
+                outputs = engine.step()
+                if outputs:
+                    send(StepOutputs(outputs))
+            now = time.monotonic()
+            if now - last_stats >= STATS_INTERVAL_S:
+                send(engine.stats())
+                last_stats = now
+    except (EOFError, BrokenPipeError, OSError):
+        log.info("client pipe closed; engine exiting")
+    except Exception as exc:  # noqa: BLE001 - report, then die: the driver turns this into 503s
+        log.error("engine step failed: %s", traceback.format_exc())
+        try:
+            send(EngineFailed(f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+
+
+def _add(engine, msg: AddRequest, send) -> None:  # type: ignore[no-untyped-def]
+    from engine_native.scheduler import QueueFullError
+
+    try:
+        engine.add_request(
+            msg.request_id,
+            msg.prompt_token_ids,
+            msg.sampling_params,
+            priority=msg.priority,
+            arrival_time=msg.arrival_time,
+            tenant_id=msg.tenant_id,
+        )
+    except QueueFullError as exc:
+        send(AddRejected(request_id=msg.request_id, reason=str(exc), queue_full=True))
+    except ValueError as exc:
+        send(AddRejected(request_id=msg.request_id, reason=str(exc), queue_full=False))

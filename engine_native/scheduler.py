@@ -1,0 +1,259 @@
+"""Continuous batching: decides, every step, which requests compute how many tokens.
+
+One rule drives everything (see `request.py`): a scheduled request computes
+some of its `num_tokens - num_computed_tokens`, capped by the step's token
+budget and the per-request chunk limit. Running requests go first (decodes
+and unfinished prefill chunks), then waiting ones join while budget, the
+running-sequence cap and KV blocks allow. When a running request cannot get
+blocks, the least important running request (highest priority value, latest
+arrival) is preempted by recompute: its blocks are freed and it goes back to
+the waiting queue with `num_computed_tokens = 0`.
+
+A request samples a token only in a step that computes up to its last known
+token; so recompute after preemption never repeats or drops a token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from engine_native.config import SchedulerConfig
+from engine_native.kv_cache_manager import KVCacheManager, cdiv
+from engine_native.request import Request, RequestStatus
+from engine_native.sampler import TokenLogprobs
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # Tokens already in the cache before this step (num_computed_tokens at schedule time).
+    num_computed_before: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes through the request's last known token, so it samples the next."""
+        return self.num_computed_before + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    """What the model runner hands back: one sampled token per sampling request."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class TokenUpdate:
+    """One request's progress from a step: a new token, and whether it finished."""
+
+    request: Request
+    new_token_id: int
+    logprobs: TokenLogprobs | None
+    finished: bool
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at its bound; the caller should retry later."""
+
+
+class WaitingQueue:
+    """Requests ordered by (priority, arrival); FCFS within a priority value."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple[int, float, int]] = []
+        self._requests: list[Request] = []
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._requests)
+
+    def push(self, request: Request) -> None:
+        key = (request.priority, request.arrival_time, next(self._counter))
+        i = bisect.bisect_right(self._keys, key)
+        self._keys.insert(i, key)
+        self._requests.insert(i, request)
+
+    def peek(self) -> Request:
+        return self._requests[0]
+
+    def pop(self) -> Request:
+        self._keys.pop(0)
+        return self._requests.pop(0)
+
+    def remove(self, request: Request) -> bool:
+        for i, r in enumerate(self._requests):
+            if r is request:
+                del self._requests[i]
+                del self._keys[i]
+                return True
+        return False
+
+
+def _victim_order(request: Request) -> tuple[int, float]:
+    """Larger = preempted first: least important priority, then most recent arrival."""
+    return (request.priority, request.arrival_time)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_prefill_chunks = 0
+
+    # ----- admission -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError if it can never run, QueueFullError if the queue is full."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        n_prompt = request.num_prompt_tokens
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if n_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n_prompt} tokens; the context length is {self.max_model_len}"
+            )
+        # A request alone must always fit in the pool, or preemption could never make room.
+        worst_case = min(n_prompt + request.sampling_params.max_tokens, self.max_model_len)
+        if cdiv(worst_case, self.kv_cache.block_size) > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"prompt ({n_prompt}) + max_tokens ({request.sampling_params.max_tokens}) need "
+                f"{cdiv(worst_case, self.kv_cache.block_size)} KV blocks; the pool has {self.kv_cache.num_blocks}"
+            )
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request from outside the step (abort, stop string); frees its blocks."""
+        assert status.is_finished
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.finish_time = time.time()
+        self.kv_cache.free(request_id)
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or len(self.waiting))
+
+    # ----- one step --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunk_cap = self.config.long_prefill_token_threshold
+        # Most important first, so the tail holds the preemption victims.
+        self.running.sort(key=_victim_order)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n_new = min(request.num_tokens_to_compute, chunk_cap, budget)
+            total = request.num_computed_tokens + n_new
+            while self.kv_cache.allocate_slots(request.request_id, total) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, n_new, request.num_computed_tokens))
+                budget -= n_new
+                i += 1
+                continue
+            break  # the request preempted itself: nothing after it can fit either
+
+        # New work joins only if nothing had to be preempted this step (avoids thrashing).
+        if not out.preempted_ids:
+            while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting.peek()
+                n_new = min(request.num_tokens_to_compute, chunk_cap, budget)
+                if self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + n_new) is None:
+                    break
+                self.waiting.pop()
+                request.status = RequestStatus.RUNNING
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.time()
+                self.running.append(request)
+                out.scheduled.append(ScheduledRequest(request, n_new, request.num_computed_tokens))
+                budget -= n_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(request)
+
+    def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[TokenUpdate]:
+        updates: list[TokenUpdate] = []
+        now = time.time()
+        for s in sched.scheduled:
+            request = s.request
+            request.num_computed_tokens = s.num_computed_before + s.num_new_tokens
+            if not s.samples:
+                self.num_prefill_chunks += 1
+                request.num_prefill_chunks += 1
+                continue
+            token = result.sampled_token_ids[request.request_id]
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            finished = self._check_stop(request, token)
+            if finished:
+                self.running.remove(request)
+                self.requests.pop(request.request_id, None)
+                request.finish_time = now
+                self.kv_cache.free(request.request_id)
+            updates.append(TokenUpdate(request, token, result.logprobs.get(request.request_id), finished))
+        return updates
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.sampling_params
+        if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+            return True
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,48 @@
+"""Sizes the KV block pool from the cache config and the memory the host has."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_native.config import EngineConfig, ModelConfig
+from engine_native.kv_cache_manager import cdiv
+
+# Without an explicit size, the pool never takes more than this much memory:
+# on a shared CPU host the page cache and the other processes need the rest.
+DEFAULT_MAX_KV_BYTES = 2 * 1024**3
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo; falls back to 4 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 1024**3
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    return model.kv_bytes_per_token * elem * block_size
+
+
+def num_kv_blocks(config: EngineConfig, model: ModelConfig, kv_dtype: torch.dtype, max_model_len: int) -> int:
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    per_block = kv_bytes_per_block(model, cache.block_size, kv_dtype)
+    if cache.memory_bytes is not None:
+        budget = cache.memory_bytes
+    else:
+        budget = min(int(available_memory_bytes() * cache.memory_fraction), DEFAULT_MAX_KV_BYTES)
+    blocks = budget // per_block
+    # More than every running sequence at full context could ever use is waste.
+    ceiling = config.scheduler.max_num_seqs * cdiv(max_model_len, cache.block_size)
+    blocks = min(blocks, ceiling)
+    if blocks < cdiv(max_model_len, cache.block_size):
+        # Still usable (requests are checked against the pool), but worth a warning upstream.
+        blocks = max(blocks, 1)
+    return int(blocks)
