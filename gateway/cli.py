@@ -1,0 +1,132 @@
+"""The `sluice` command: `sluice serve` runs the gateway, `sluice bench serve` load-tests any
+OpenAI-compatible server. Defaults come from the environment via `Settings`, read here once."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.settings import Settings
+
+log = logging.getLogger("sluice.cli")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2G', '1048576' -> bytes (binary multiples: K = 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)")
+    value, unit = float(match.group(1)), (match.group(2) or "b").lower()
+    return int(value * 1024 ** "bkmgt".index(unit[0]))
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Settings) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible gateway",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default=env.host, help="interface to bind (SLUICE_HOST)")
+    p.add_argument("--port", type=int, default=env.port, help="TCP port (SLUICE_PORT)")
+    p.add_argument("--driver", default=env.driver, help="engine driver: native or synthetic (SLUICE_DRIVER)")
+    p.add_argument("--model", default=env.model,
+                   help="model path for the native driver; default: the bundled model (SLUICE_MODEL)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send; default: the driver's")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight/activation dtype")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="cap on sequences running in one engine step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV cache pool size, e.g. 2GiB; default: a fraction of free memory")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length cap; default: the model's")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; default: torch's choice")
+    p.add_argument("--max-waiting", type=int, default=env.max_waiting,
+                   help="queued requests beyond the running ones before 503 (SLUICE_MAX_WAITING)")
+    p.add_argument("--max-body-bytes", type=int, default=env.max_body_bytes,
+                   help="largest request body; larger gets 413 (SLUICE_MAX_BODY_BYTES)")
+    p.add_argument("--stream-timeout", type=float, default=env.stream_timeout_s,
+                   help="lifetime cap of one generation in seconds (SLUICE_STREAM_TIMEOUT_S)")
+    p.add_argument("--log-level", default=env.log_level, help="DEBUG, INFO, WARNING, ... (SLUICE_LOG_LEVEL)")
+    p.add_argument("--synthetic-tokens-per-second", type=float, default=50.0,
+                   help="synthetic driver: decode rate per request (0 = unthrottled)")
+    p.add_argument("--synthetic-ttft-ms", type=float, default=50.0, help="synthetic driver: time to first token")
+    p.set_defaults(func=_serve)
+
+
+def _driver_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.driver == "synthetic":
+        options: dict[str, Any] = {
+            "model_name": args.served_model_name or "synthetic",
+            "tokens_per_second": args.synthetic_tokens_per_second,
+            "ttft_s": args.synthetic_ttft_ms / 1000.0,
+            "max_num_seqs": args.max_num_seqs,
+            "max_waiting": args.max_waiting,
+        }
+        if args.max_model_len:
+            options["max_model_len"] = args.max_model_len
+        return options
+    return {
+        "model_path": args.model,
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory_bytes": args.kv_cache_memory,
+        "served_model_name": args.served_model_name,
+        "num_threads": args.num_threads,
+        "max_waiting": args.max_waiting,
+        **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
+    }
+
+
+def _serve(args: argparse.Namespace, env: Settings) -> int:
+    import uvicorn
+
+    from drivers.registry import create_driver
+    from gateway.app import create_app
+    from gateway.logs import configure_logging
+
+    settings = Settings(**{
+        **{f: getattr(env, f) for f in env.__dataclass_fields__},
+        "host": args.host, "port": args.port, "driver": args.driver, "model": args.model,
+        "max_waiting": args.max_waiting, "max_body_bytes": args.max_body_bytes,
+        "stream_timeout_s": args.stream_timeout, "log_level": args.log_level.upper(),
+    })
+    configure_logging(settings.log_level)
+    driver = create_driver(settings.driver, **_driver_options(args))
+    app = create_app(settings, driver)
+    base = f"http://{settings.host}:{settings.port}"
+    log.info("starting", extra={"address": base, "driver": settings.driver, "model": settings.model})
+    print(
+        f"Sluice listening on {base} (driver {settings.driver}). Try:\n"
+        f"  curl {base}/v1/chat/completions -H 'content-type: application/json' "
+        f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'",
+        flush=True,
+    )
+    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
+                log_level=settings.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
+    return 0
+
+
+def build_parser(env: Settings) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="Sluice: multi-tenant LLM inference service")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub, env)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from gateway.bench_serve import add_arguments as add_bench_serve
+
+    add_bench_serve(bench_sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    env = Settings.from_env()
+    args = build_parser(env).parse_args(argv)
+    result: int = args.func(args, env)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The one place errors become HTTP responses, all in OpenAI's error format.
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+Driver errors (the typed taxonomy in `drivers.base`) map by class; Litestar's
+own HTTP errors (unknown route, wrong method, body too large) keep their status
+but get our body; anything else is a bug: 500, logged with the request id.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.types import ExceptionHandlersMap
+
+from drivers.base import (
+    DriverError,
+    EngineDeadError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    OverloadedError,
+)
+from gateway.fanout import LifetimeExceededError
+from gateway.schemas import ErrorBody, ErrorDetail
+
+log = logging.getLogger("sluice.gateway")
+
+_HTTP_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "method_not_allowed_error",
+    413: "request_too_large_error",
+}
+_FIELD_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def request_id_of(request: Request) -> str | None:
+    rid = request.state.get("request_id")
+    return rid if isinstance(rid, str) else None
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | int | None = None,
+    headers: dict[str, str] | None = None,
+    request_id: str | None = None,
+) -> Response[bytes]:
+    body = msgspec.json.encode(ErrorBody(ErrorDetail(message=message, type=type_, param=param, code=code)))
+    all_headers = dict(headers or {})
+    if request_id:
+        all_headers["x-request-id"] = request_id
+    return Response(content=body, status_code=status, media_type="application/json", headers=all_headers)
+
+
+def error_from_driver(exc: DriverError, request_id: str | None = None) -> tuple[int, ErrorDetail, dict[str, str]]:
+    """Status, body and headers for a driver error; also used for errors inside an open stream."""
+    if isinstance(exc, InvalidRequestError):
+        return 400, ErrorDetail(str(exc), "invalid_request_error", exc.param), {}
+    if isinstance(exc, ModelNotFoundError):
+        return 404, ErrorDetail(str(exc), "invalid_request_error", "model", "model_not_found"), {}
+    if isinstance(exc, OverloadedError):
+        retry = str(max(1, math.ceil(exc.retry_after)))
+        return 503, ErrorDetail(str(exc), "overloaded_error", None, "overloaded"), {"retry-after": retry}
+    if isinstance(exc, EngineDeadError):
+        return 503, ErrorDetail(str(exc) or "The engine is not running", "engine_dead_error", None, "engine_dead"), {}
+    log.error("unmapped driver error", extra={"request_id": request_id}, exc_info=exc)
+    return 500, ErrorDetail("Internal server error", "server_error"), {}
+
+
+def invalid_body(exc: msgspec.DecodeError) -> InvalidRequestError:
+    """A malformed or ill-typed JSON body as a 400 naming the field msgspec complained about."""
+    message = str(exc)
+    match = _FIELD_PATH.search(message)
+    param = match.group(1) if match else None
+    if isinstance(exc, msgspec.ValidationError):
+        return InvalidRequestError(f"Invalid request body: {message}", param)
+    return InvalidRequestError(f"Malformed JSON body: {message}", param)
+
+
+def _on_driver_error(request: Request, exc: DriverError) -> Response[bytes]:
+    status, detail, headers = error_from_driver(exc, request_id_of(request))
+    return error_response(status, detail.message, detail.type, detail.param, detail.code, headers,
+                          request_id_of(request))
+
+
+def _on_http_error(request: Request, exc: HTTPException) -> Response[bytes]:
+    status = exc.status_code
+    message = exc.detail or "HTTP error"
+    if isinstance(exc, ValidationException) and exc.extra:
+        message = f"{message}: {exc.extra}"
+    if status == 404 and message == "Not Found":
+        message = f"Route {request.method} {request.url.path} not found"
+    elif status == 413:
+        message = "Request body is larger than the allowed maximum"
+    headers = {k: v for k, v in (exc.headers or {}).items()}
+    return error_response(status, message, _HTTP_TYPES.get(status, "http_error"), code=status,
+                          headers=headers, request_id=request_id_of(request))
+
+
+def _on_timeout(request: Request, exc: LifetimeExceededError) -> Response[bytes]:
+    return error_response(504, str(exc), "timeout_error", code="request_timeout", request_id=request_id_of(request))
+
+
+def _on_unexpected(request: Request, exc: Exception) -> Response[bytes]:
+    rid = request_id_of(request)
+    log.exception("unhandled error", extra={"request_id": rid, "path": request.url.path}, exc_info=exc)
+    return error_response(500, "Internal server error", "server_error", request_id=rid)
+
+
+EXCEPTION_HANDLERS: ExceptionHandlersMap = {
+    DriverError: _on_driver_error,
+    HTTPException: _on_http_error,
+    LifetimeExceededError: _on_timeout,
+    Exception: _on_unexpected,
+}

@@ -1,0 +1,138 @@
+"""Running the n driver streams of one API request together.
+
+`Fanout.open()` waits for the first chunk of every stream, so anything a driver
+rejects up front (overloaded, bad request) surfaces before the HTTP response
+starts and becomes a plain JSON error instead of a broken 200 stream. After
+that, `chunks()` merges the streams, tagged with their choice index.
+`aclose()` is idempotent and releases everything: it cancels the pumps and
+closes every driver iterator, which aborts unfinished requests in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import cast
+
+from drivers.base import Driver, GenerationChunk, GenerationRequest
+
+_END = None  # queue marker: one stream finished
+
+
+class LifetimeExceededError(Exception):
+    """The generation ran past the gateway's per-request lifetime cap."""
+
+
+class Fanout:
+    def __init__(self, driver: Driver, requests: list[GenerationRequest], deadline: float) -> None:
+        self._driver = driver
+        self._requests = requests
+        self._deadline = deadline  # loop.time() after which the generation is cut
+        self._iters: list[AsyncIterator[GenerationChunk]] = []
+        self._firsts: list[GenerationChunk | None] = []
+        self._finished: set[int] = set()
+        self._pumps: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    async def open(self) -> None:
+        """Start every stream and wait for its first chunk; on any error close all and re-raise."""
+        self._iters = [self._driver.generate(r) for r in self._requests]
+        firsts = [asyncio.ensure_future(_next(it)) for it in self._iters]
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                done, _ = await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
+                failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+                if failed:
+                    raise cast(BaseException, failed[0].exception())
+                await asyncio.gather(*firsts)
+        except TimeoutError:
+            await self._abandon(firsts)
+            raise LifetimeExceededError("The request timed out before the first token") from None
+        except BaseException:
+            await self._abandon(firsts)
+            raise
+        self._firsts = [t.result() for t in firsts]
+
+    async def chunks(self) -> AsyncIterator[tuple[int, GenerationChunk]]:
+        """Every chunk of every stream, in arrival order, first chunks first."""
+        for i, first in enumerate(self._firsts):
+            if first is None or first.finish_reason is not None:
+                self._finished.add(i)
+            if first is not None:
+                yield i, first
+        pending = [i for i in range(len(self._iters)) if i not in self._finished]
+        if len(pending) == 1:  # common case n=1: no pump task, no queue
+            i = pending[0]
+            while (chunk := await self._next_before_deadline(self._iters[i])) is not None:
+                if chunk.finish_reason is not None:
+                    self._finished.add(i)
+                yield i, chunk
+            self._finished.add(i)
+            return
+        queue: asyncio.Queue[tuple[int, GenerationChunk | None]] = asyncio.Queue()
+        self._pumps = [asyncio.create_task(self._pump(i, queue)) for i in pending]
+        remaining = len(pending)
+        while remaining:
+            try:
+                async with asyncio.timeout_at(self._deadline):
+                    i, item = await queue.get()
+            except TimeoutError:
+                raise LifetimeExceededError("The request ran past its lifetime cap") from None
+            if item is _END:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            assert item is not None
+            if item.finish_reason is not None:
+                self._finished.add(i)
+            yield i, item
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._pumps:
+            task.cancel()
+        for task in self._pumps:
+            with contextlib.suppress(BaseException):
+                await task
+        for i, it in enumerate(self._iters):
+            closer = getattr(it, "aclose", None)
+            if closer is not None:
+                with contextlib.suppress(Exception):
+                    await closer()
+            if i not in self._finished:  # closing aborts per the contract; say it explicitly too
+                with contextlib.suppress(Exception):
+                    await self._driver.abort(self._requests[i].request_id)
+
+    async def _pump(self, i: int, queue: asyncio.Queue[tuple[int, GenerationChunk | None]]) -> None:
+        try:
+            async for chunk in self._iters[i]:
+                await queue.put((i, chunk))
+        except Exception as exc:  # hand driver errors to the consumer, which re-raises them
+            await queue.put((i, exc))  # type: ignore[arg-type]
+        await queue.put((i, _END))
+
+    async def _next_before_deadline(self, it: AsyncIterator[GenerationChunk]) -> GenerationChunk | None:
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                return await _next(it)
+        except TimeoutError:
+            raise LifetimeExceededError("The request ran past its lifetime cap") from None
+
+    async def _abandon(self, firsts: list[asyncio.Future[GenerationChunk | None]]) -> None:
+        for task in firsts:
+            task.cancel()
+        for task in firsts:
+            with contextlib.suppress(BaseException):
+                await task
+        await self.aclose()
+
+
+async def _next(it: AsyncIterator[GenerationChunk]) -> GenerationChunk | None:
+    try:
+        return await anext(it)
+    except StopAsyncIteration:
+        return None

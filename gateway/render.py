@@ -1,0 +1,156 @@
+"""Driver output to OpenAI objects: whole responses, stream chunks, and SSE framing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from drivers.base import GenerationChunk, TokenLogprob
+from gateway.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    ErrorBody,
+    ErrorDetail,
+    ResponseMessage,
+    TokenLogprobOut,
+    TopLogprobOut,
+    Usage,
+)
+
+SSE_DONE = b"data: [DONE]\n\n"
+_encoder = msgspec.json.Encoder()
+
+
+def sse(obj: object) -> bytes:
+    """One server-sent event, framed exactly `data: <json>\\n\\n`."""
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+def sse_error(detail: ErrorDetail) -> bytes:
+    return sse(ErrorBody(detail))
+
+
+@dataclass
+class ChoiceOutput:
+    """Everything one choice produced, accumulated for a non-streaming response."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.text.append(chunk.text)
+        self.logprobs.extend(chunk.logprobs or [])
+        self.completion_tokens = chunk.completion_tokens
+        if chunk.finish_reason is not None:
+            self.finish_reason = str(chunk.finish_reason)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+def _chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs(content=[
+        TokenLogprobOut(t.token, t.logprob, t.bytes, [TopLogprobOut(a.token, a.logprob, a.bytes) for a in t.top_logprobs])
+        for t in items
+    ])
+
+
+def _completion_logprobs(items: list[TokenLogprob], start_offset: int = 0) -> CompletionLogprobs:
+    offsets, offset = [], start_offset
+    for t in items:
+        offsets.append(offset)
+        offset += len(t.token)
+    return CompletionLogprobs(
+        tokens=[t.token for t in items],
+        token_logprobs=[t.logprob for t in items],
+        top_logprobs=[{a.token: a.logprob for a in t.top_logprobs} for t in items],
+        text_offset=offsets,
+    )
+
+
+def chat_completion(
+    rid: str, created: int, model: str, outputs: list[ChoiceOutput], prompt_tokens: int, logprobs: bool
+) -> ChatCompletion:
+    choices = [
+        ChatChoice(i, ResponseMessage("".join(o.text)), o.finish_reason, _chat_logprobs(o.logprobs) if logprobs else None)
+        for i, o in enumerate(outputs)
+    ]
+    completion = sum(o.completion_tokens for o in outputs)
+    return ChatCompletion(id=rid, created=created, model=model, choices=choices, usage=usage(prompt_tokens, completion))
+
+
+def text_completion(
+    rid: str, created: int, model: str, outputs: list[ChoiceOutput], prompt_tokens: int, logprobs: bool
+) -> Completion:
+    choices = [
+        CompletionChoice(i, "".join(o.text), o.finish_reason, _completion_logprobs(o.logprobs) if logprobs else None)
+        for i, o in enumerate(outputs)
+    ]
+    completion = sum(o.completion_tokens for o in outputs)
+    return Completion(id=rid, object="text_completion", created=created, model=model, choices=choices,
+                      usage=usage(prompt_tokens, completion))
+
+
+@dataclass(frozen=True)
+class ChatChunks:
+    """Stream chunk builder for one chat completion."""
+
+    rid: str
+    created: int
+    model: str
+
+    def _chunk(self, choices: list[ChatChunkChoice], use: Usage | None = None) -> bytes:
+        return sse(ChatCompletionChunk(id=self.rid, object="chat.completion.chunk", created=self.created,
+                                       model=self.model, choices=choices, usage=use))
+
+    def role(self, index: int) -> bytes:
+        return self._chunk([ChatChunkChoice(index, Delta(role="assistant", content=""))])
+
+    def delta(self, index: int, chunk: GenerationChunk, logprobs: bool) -> bytes | None:
+        if not chunk.text and chunk.finish_reason is None and not (logprobs and chunk.logprobs):
+            return None  # nothing visible yet (e.g. text held back while a stop string may form)
+        lp = _chat_logprobs(chunk.logprobs or []) if logprobs else None
+        delta = Delta(content=chunk.text) if chunk.text or chunk.finish_reason is None else Delta()
+        finish = str(chunk.finish_reason) if chunk.finish_reason is not None else None
+        return self._chunk([ChatChunkChoice(index, delta, finish, lp)])
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return self._chunk([], usage(prompt_tokens, completion_tokens))
+
+
+@dataclass
+class CompletionChunks:
+    """Stream chunk builder for one text completion; tracks text offsets per choice for logprobs."""
+
+    rid: str
+    created: int
+    model: str
+    offsets: dict[int, int] = field(default_factory=dict)
+
+    def _chunk(self, choices: list[CompletionChoice], use: Usage | None = None) -> bytes:
+        return sse(Completion(id=self.rid, object="text_completion", created=self.created, model=self.model,
+                              choices=choices, usage=use))
+
+    def delta(self, index: int, chunk: GenerationChunk, logprobs: bool) -> bytes | None:
+        if not chunk.text and chunk.finish_reason is None and not (logprobs and chunk.logprobs):
+            return None
+        lp = None
+        if logprobs:
+            lp = _completion_logprobs(chunk.logprobs or [], self.offsets.get(index, 0))
+        self.offsets[index] = self.offsets.get(index, 0) + len(chunk.text)
+        finish = str(chunk.finish_reason) if chunk.finish_reason is not None else None
+        return self._chunk([CompletionChoice(index, chunk.text, finish, lp)])
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return self._chunk([], usage(prompt_tokens, completion_tokens))

@@ -1,0 +1,1 @@
+"""HTTP route handlers: thin adapters between Litestar and the gateway services."""

@@ -1,0 +1,61 @@
+"""OpenAI-compatible endpoints. Handlers decode, call the service, wrap the result; nothing more."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request, Response, get, post
+from litestar.response import Stream
+
+from drivers.base import Driver
+from gateway.errors import invalid_body
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelList, ModelObject
+from gateway.service import CompletionService
+
+T = TypeVar("T")
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def _new_request_id(request: Request, prefix: str) -> str:
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    request.state["request_id"] = rid  # read by the error handlers so error responses carry it too
+    return rid
+
+
+async def _decode(request: Request, schema: type[T]) -> T:
+    raw = await request.body()  # enforces request_max_body_size -> 413
+    try:
+        return msgspec.json.decode(raw, type=schema)
+    except msgspec.DecodeError as exc:
+        raise invalid_body(exc) from None
+
+
+def _respond(result: msgspec.Struct | AsyncIterator[bytes], rid: str) -> Response[Any]:
+    if isinstance(result, msgspec.Struct):
+        return Response(msgspec.json.encode(result), media_type="application/json", headers={"x-request-id": rid})
+    return Stream(result, media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request, service: CompletionService) -> Response[Any]:
+    rid = _new_request_id(request, "chatcmpl")
+    body = await _decode(request, ChatCompletionRequest)
+    return _respond(await service.chat(body, rid), rid)
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request, service: CompletionService) -> Response[Any]:
+    rid = _new_request_id(request, "cmpl")
+    body = await _decode(request, CompletionRequest)
+    return _respond(await service.completion(body, rid), rid)
+
+
+@get("/v1/models")
+async def list_models(driver: Driver) -> ModelList:
+    return ModelList(data=[ModelObject(c.id, c.created, c.owned_by, c.max_model_len) for c in driver.models()])
+
+
+OPENAI_ROUTES = [chat_completions, completions, list_models]
