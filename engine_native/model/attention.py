@@ -1,0 +1,127 @@
+"""Attention over the paged KV cache, for a step that mixes prefill chunks and decodes.
+
+`AttentionPlan` is built once per forward from the `ForwardBatch` (it is the same
+for every layer); `paged_attention` runs one layer with it:
+
+  * every decode (query_len == 1) of the step is handled by ONE batched call:
+    their blocks are gathered to [B, L_max, Hkv, D] and a length mask hides the
+    padding, so 32 decodes cost one kernel, not 32;
+  * each prefill chunk attends to its cached context plus its own tokens
+    causally, one SDPA call per sequence (chunks are few and long).
+
+New K/V are written to the cache before attention, so "cached context" and "new
+tokens" are read the same way, through the block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine_native.forward_batch import ForwardBatch
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first index into the step's T tokens
+    query_len: int
+    context_len: int
+    block_ids: torch.Tensor  # [ceil(context_len / block_size)]
+    mask: torch.Tensor | None  # [query_len, context_len] bool, None when plain causal
+
+
+@dataclass
+class AttentionPlan:
+    num_tokens: int
+    block_size: int
+    decode_token_index: torch.Tensor | None  # [B] indices into T; None when no decodes
+    decode_block_tables: torch.Tensor | None  # [B, nb_max]
+    decode_mask: torch.Tensor | None  # [B, 1, 1, nb_max * block_size] bool, True = attend
+    decodes_are_whole_batch: bool  # the step is pure decode in order: no scatter needed
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch) -> AttentionPlan:
+        bs = batch.block_size
+        decode_seqs = [i for i, q in enumerate(batch.query_lens) if q == 1]
+        prefills: list[PrefillChunk] = []
+        for i, (start, qlen, ctx) in enumerate(
+            zip(batch.query_starts, batch.query_lens, batch.context_lens, strict=True)
+        ):
+            if qlen == 1 or qlen == 0:
+                continue
+            nblocks = -(-ctx // bs)
+            mask = None
+            if ctx != qlen:
+                # Query i sits at position ctx - qlen + i and sees keys 0..that position.
+                q_pos = torch.arange(ctx - qlen, ctx).unsqueeze(1)
+                mask = torch.arange(ctx).unsqueeze(0) <= q_pos
+            prefills.append(PrefillChunk(start, qlen, ctx, batch.block_tables[i, :nblocks], mask))
+
+        if not decode_seqs:
+            return cls(batch.num_tokens, bs, None, None, None, False, prefills)
+        ctx_lens = torch.tensor([batch.context_lens[i] for i in decode_seqs], dtype=torch.long)
+        nb_max = -(-int(ctx_lens.max()) // bs)
+        seq_index = torch.tensor(decode_seqs, dtype=torch.long)
+        tables = batch.block_tables[seq_index, :nb_max]
+        key_pos = torch.arange(nb_max * bs)
+        mask = (key_pos.unsqueeze(0) < ctx_lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, -1)
+        token_index = torch.tensor([batch.query_starts[i] for i in decode_seqs], dtype=torch.long)
+        whole = not prefills and len(decode_seqs) == batch.num_tokens and bool(
+            (token_index == torch.arange(batch.num_tokens)).all()
+        )
+        return cls(batch.num_tokens, bs, token_index, tables, mask, whole, prefills)
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store the step's new K/V [T, Hkv, D] at their flat slots."""
+    num_blocks, block_size, hkv, d = k_cache.shape
+    k_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
+) -> torch.Tensor:
+    """q [T, H, D] -> attention output [T, H, D] over each sequence's cached K/V."""
+    _, block_size, hkv, d = k_cache.shape
+    if plan.decodes_are_whole_batch:
+        return _decode_attention(q, k_cache, v_cache, plan)
+    out = torch.empty_like(q)
+    if plan.decode_token_index is not None:
+        out[plan.decode_token_index] = _decode_attention(q[plan.decode_token_index], k_cache, v_cache, plan)
+    for chunk in plan.prefills:
+        qs = q[chunk.start : chunk.start + chunk.query_len].transpose(0, 1).unsqueeze(0)
+        k = k_cache[chunk.block_ids].view(-1, hkv, d)[: chunk.context_len].to(q.dtype)
+        v = v_cache[chunk.block_ids].view(-1, hkv, d)[: chunk.context_len].to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            qs,
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            enable_gqa=True,
+        )
+        out[chunk.start : chunk.start + chunk.query_len] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
+) -> torch.Tensor:
+    """q [B, H, D], one query per sequence -> [B, H, D], one batched kernel for all of them."""
+    assert plan.decode_block_tables is not None and plan.decode_mask is not None
+    _, _, hkv, d = k_cache.shape
+    b, h, _ = q.shape
+    tables = plan.decode_block_tables
+    # Gather whole blocks (contiguous bs*Hkv*D runs), not single slots: far fewer index ops.
+    k = k_cache[tables].view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
+    v = v_cache[tables].view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=plan.decode_mask, enable_gqa=True
+    )  # [B, H, 1, D]
+    return o.view(b, h, d)

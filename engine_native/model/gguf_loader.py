@@ -1,0 +1,197 @@
+"""Load a llama.cpp GGUF file: metadata -> ModelConfig, tensors -> dequantized HF-named weights.
+
+Quantized tensors are dequantized once at load (the model then runs dense in
+bf16/fp32). llama.cpp's converter stores attn_q/attn_k of the `llama` arch with
+rows permuted for its interleaved RoPE; we permute them back to Hugging Face's
+rotate-half layout, as transformers' GGUF integration does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from engine_native.config import ModelConfig
+from engine_native.model.base import LoadedModel, ModelLoadError
+from engine_native.model.gguf_tokenizer import tokenizer_from_gguf
+from engine_native.model.llama import LlamaForCausalLM
+from engine_native.model.rope import inverse_frequencies
+
+Q = GGMLQuantizationType
+# The six first are exercised by our tests; the K-quants go through gguf's numpy reference code.
+SUPPORTED_TENSOR_TYPES = frozenset(
+    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+)
+# GGUF arch -> our ModelConfig.architecture, and whether the converter permuted q/k.
+ARCHITECTURES: dict[str, tuple[str, bool]] = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False)}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every key/value of the header as Python values (arrays as lists)."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def gguf_name_to_hf(name: str) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors we skip."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `permute(w, n_head)`: rows (head, pair, half) back to (head, half, pair)."""
+    dim = weight.shape[0] // n_head // 2
+    w = weight.reshape(n_head, dim, 2, *weight.shape[1:])
+    return w.swapaxes(2, 1).reshape(weight.shape)
+
+
+def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp converter's permutation (HF -> GGUF layout); the inverse of `unpermute_qk`."""
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def config_from_metadata(meta: dict[str, Any], name: str) -> ModelConfig:
+    gguf_arch = meta.get("general.architecture")
+    if gguf_arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {gguf_arch!r} in {name} (supported: {sorted(ARCHITECTURES)})"
+        )
+    a = gguf_arch
+
+    def key(k: str, default: Any = None) -> Any:
+        v = meta.get(f"{a}.{k}", default)
+        if v is None:
+            raise ModelLoadError(f"GGUF metadata {a}.{k} missing in {name}")
+        return v
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    head_dim = int(meta.get(f"{a}.attention.key_length", meta.get(f"{a}.rope.dimension_count", hidden // heads)))
+    vocab = meta.get(f"{a}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    rope_scaling: dict[str, float | str] | None = None
+    scaling_type = meta.get(f"{a}.rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(f"unsupported GGUF rope scaling type {scaling_type!r} in {name}")
+    return ModelConfig(
+        architecture=ARCHITECTURES[a][0],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{a}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(key("context_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        attention_bias=ARCHITECTURES[a][0] == "qwen2",
+        tie_word_embeddings=False,  # decided below from the presence of output.weight
+        name=str(meta.get("general.name") or os.path.basename(name)),
+    )
+
+
+def _llama3_from_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray, name: str) -> dict[str, float | str]:
+    # Llama 3.1+ GGUFs store the llama3 scaling as a per-frequency divisor tensor instead of
+    # metadata. Recognise Meta's standard parameters; anything else we cannot reproduce.
+    candidate: dict[str, float | str] = {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    base = inverse_frequencies(cfg.head_dim, cfg.rope_theta, None)
+    for factor in (8.0, 32.0, 16.0, 4.0):
+        candidate["factor"] = factor
+        divisor = (base / inverse_frequencies(cfg.head_dim, cfg.rope_theta, candidate)).numpy()
+        if np.allclose(divisor, rope_freqs.astype(np.float64), rtol=1e-3):
+            return dict(candidate)
+    raise ModelLoadError(f"{name}: rope_freqs tensor does not match any llama3 scaling we support")
+
+
+def load_gguf(path: str, dtype: torch.dtype, progress: bool = True) -> LoadedModel:
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # noqa: BLE001 -- any parse failure means "not a GGUF we can read"
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    meta = read_metadata(reader)
+    cfg = config_from_metadata(meta, path)
+    permuted = ARCHITECTURES[meta["general.architecture"]][1]
+
+    weights: dict[str, torch.Tensor] = {}
+    rope_freqs: np.ndarray | None = None
+    for t in tqdm(reader.tensors, desc=f"loading {os.path.basename(path)}", unit="tensor",
+                  file=sys.stderr, disable=not progress):
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise ModelLoadError(f"tensor {t.name} has unsupported type {t.tensor_type.name} in {path}")
+        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if t.name == "rope_freqs.weight":
+            rope_freqs = array
+            continue
+        hf_name = gguf_name_to_hf(t.name)
+        if hf_name is None:
+            continue
+        if permuted and ".attn_q." in t.name:
+            array = unpermute_qk(array, cfg.num_heads)
+        elif permuted and ".attn_k." in t.name:
+            array = unpermute_qk(array, cfg.num_kv_heads)
+        if not array.flags.writeable:  # F32 tensors are read-only views of the memory-mapped file
+            array = array.copy()
+        weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+
+    updates: dict[str, Any] = {"tie_word_embeddings": "lm_head.weight" not in weights}
+    if rope_freqs is not None:
+        updates["rope_scaling"] = _llama3_from_rope_freqs(cfg, rope_freqs, path)
+    embed = weights.get("model.embed_tokens.weight")
+    if embed is not None and embed.shape[0] != cfg.vocab_size:
+        updates["vocab_size"] = int(embed.shape[0])
+    cfg = replace(cfg, **updates)
+    model = LlamaForCausalLM(cfg, weights, dtype)
+    tokenizer = tokenizer_from_gguf(meta) if "tokenizer.ggml.tokens" in meta else None
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, dtype=dtype, source=path)
+
+
+__all__ = ["load_gguf", "read_metadata", "config_from_metadata", "permute_qk", "unpermute_qk"]

@@ -1,0 +1,128 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+Weights arrive under Hugging Face names (`model.layers.N.self_attn.q_proj.weight`, ...)
+from either loader and are re-laid out for CPU speed: q/k/v become one matrix and
+gate/up another, so a layer is four GEMMs. Qwen2 differs only by a bias on q/k/v.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_native.config import ModelConfig
+from engine_native.forward_batch import ForwardBatch, KVCache
+from engine_native.model.attention import AttentionPlan, paged_attention, write_kv
+from engine_native.model.base import ModelLoadError
+from engine_native.model.rope import RotaryTable, apply_rotary
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], prefix: str) -> None:
+        super().__init__()
+        self.config = config
+        w = lambda name: _take(weights, prefix + name)  # noqa: E731
+        self.input_norm = _frozen(w("input_layernorm.weight"))
+        self.qkv_weight = _frozen(
+            torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
+        )
+        self.qkv_bias: nn.Parameter | None = None
+        if config.attention_bias:
+            self.qkv_bias = _frozen(
+                torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
+            )
+        self.o_weight = _frozen(w("self_attn.o_proj.weight"))
+        self.post_norm = _frozen(w("post_attention_layernorm.weight"))
+        self.gate_up_weight = _frozen(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+        self.down_weight = _frozen(w("mlp.down_proj.weight"))
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        cfg = self.config
+        t = x.shape[0]
+        h = F.rms_norm(x, (x.shape[-1],), self.input_norm, cfg.rms_norm_eps)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        write_kv(k_cache, v_cache, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), slots)
+        attn = paged_attention(q, k_cache, v_cache, plan)
+        x = x + F.linear(attn.reshape(t, self.q_size), self.o_weight)
+        h = F.rms_norm(x, (x.shape[-1],), self.post_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Implements `CausalLM`: token ids of a mixed step in, float32 logits of chosen rows out."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        weights = {name: t.to(dtype) for name, t in weights.items()}
+        self.embed = _frozen(_take(weights, "model.embed_tokens.weight"))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers)
+        )
+        self.final_norm = _frozen(_take(weights, "model.norm.weight"))
+        if config.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = _frozen(weights["lm_head.weight"])
+        self.rope = RotaryTable(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
+        )
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        cfg = self.config
+        expected_qkv = ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size)
+        if tuple(self.embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ModelLoadError(f"embedding shape {tuple(self.embed.shape)} does not match config {cfg}")
+        layer = self.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        if tuple(layer.qkv_weight.shape) != expected_qkv:
+            raise ModelLoadError(f"q/k/v weights {tuple(layer.qkv_weight.shape)}, expected {expected_qkv}")
+        if tuple(layer.gate_up_weight.shape) != (2 * cfg.intermediate_size, cfg.hidden_size):
+            raise ModelLoadError(f"gate/up weights {tuple(layer.gate_up_weight.shape)} do not match config")
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:  # type: ignore[override]
+        if int(batch.positions.max()) >= self.rope.max_positions:
+            raise ValueError(f"position beyond max_position_embeddings={self.rope.max_positions}")
+        plan = AttentionPlan.from_batch(batch)
+        cos, sin = self.rope.lookup(batch.positions)
+        x = F.embedding(batch.input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, batch.slot_mapping, kv_cache.k[i], kv_cache.v[i], plan)
+        # Norm and lm_head only on the rows whose logits are wanted: the vocab GEMM dominates.
+        h = x[batch.logits_indices]
+        h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+
+def _take(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return weights[name]
+    except KeyError:
+        raise ModelLoadError(f"weight {name!r} missing from the checkpoint") from None

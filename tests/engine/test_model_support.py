@@ -1,0 +1,69 @@
+"""Shared helpers for the model tests (no tests here): hand-built ForwardBatches over a
+paged cache whose blocks are handed out in shuffled order, like a real allocator after churn."""
+
+from __future__ import annotations
+
+import os
+import random
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import torch
+
+from engine_native.config import ModelConfig
+from engine_native.forward_batch import ForwardBatch, KVCache
+
+
+class PagedSequences:
+    """Per-sequence block tables and computed-token counts, enough to drive a CausalLM by hand."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0):
+        self.block_size = block_size
+        self.cache = KVCache.allocate(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+
+    def step(self, work: list[tuple[int, list[int]]], last_only: bool = False) -> ForwardBatch:
+        """One step: for each (seq_id, new token ids) append those tokens. Logits rows: every
+        new token, or only each sequence's last one."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        qlens: list[int] = []
+        ctx_lens: list[int] = []
+        logits_idx: list[int] = []
+        for seq, toks in work:
+            table = self.tables.setdefault(seq, [])
+            done = self.computed.get(seq, 0)
+            total = done + len(toks)
+            while len(table) * self.block_size < total:
+                table.append(self.free.pop())
+            starts.append(len(ids))
+            for j, tok in enumerate(toks):
+                pos = done + j
+                ids.append(tok)
+                positions.append(pos)
+                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            qlens.append(len(toks))
+            ctx_lens.append(total)
+            first = starts[-1]
+            logits_idx.extend([first + len(toks) - 1] if last_only else range(first, first + len(toks)))
+            self.computed[seq] = total
+        width = max(len(self.tables[s]) for s, _ in work)
+        tables = torch.zeros(len(work), width, dtype=torch.long)
+        for i, (seq, _) in enumerate(work):
+            tables[i, : len(self.tables[seq])] = torch.tensor(self.tables[seq])
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            query_starts=starts,
+            query_lens=qlens,
+            context_lens=ctx_lens,
+            block_tables=tables,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long),
+            block_size=self.block_size,
+        )
