@@ -37,6 +37,7 @@ _HTTP_TYPES = {
     413: "request_too_large_error",
 }
 _FIELD_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 
 
 def request_id_of(request: Request) -> str | None:
@@ -78,8 +79,8 @@ def error_from_driver(exc: DriverError, request_id: str | None = None) -> tuple[
 def invalid_body(exc: msgspec.DecodeError) -> InvalidRequestError:
     """A malformed or ill-typed JSON body as a 400 naming the field msgspec complained about."""
     message = str(exc)
-    match = _FIELD_PATH.search(message)
-    param = match.group(1) if match else None
+    path, missing = _FIELD_PATH.search(message), _MISSING_FIELD.search(message)
+    param = ".".join(m.group(1) for m in (path, missing) if m and m.group(1)) or None
     if isinstance(exc, msgspec.ValidationError):
         return InvalidRequestError(f"Invalid request body: {message}", param)
     return InvalidRequestError(f"Malformed JSON body: {message}", param)
@@ -99,7 +100,8 @@ def _on_http_error(request: Request, exc: HTTPException) -> Response[bytes]:
     if status == 404 and message == "Not Found":
         message = f"Route {request.method} {request.url.path} not found"
     elif status == 413:
-        message = "Request body is larger than the allowed maximum"
+        limit = request.route_handler.resolve_request_max_body_size()
+        message = f"Request body is larger than the maximum of {limit} bytes"
     headers = {k: v for k, v in (exc.headers or {}).items()}
     return error_response(status, message, _HTTP_TYPES.get(status, "http_error"), code=status,
                           headers=headers, request_id=request_id_of(request))
