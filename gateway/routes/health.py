@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from litestar import Response, get
+from litestar.di import NamedDependency
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from drivers.base import Driver, DriverHealth
@@ -15,18 +16,18 @@ async def healthz() -> dict[str, str]:
 
 
 @get("/readyz")
-async def readyz(driver: Driver) -> Response[DriverHealth]:
+async def readyz(driver: NamedDependency[Driver]) -> Response[DriverHealth]:
     health = await driver.health()
     return Response(health, status_code=200 if health.ready else 503)
 
 
 @get("/v1/engine/stats")
-async def engine_stats(driver: Driver) -> DriverHealth:
+async def engine_stats(driver: NamedDependency[Driver]) -> DriverHealth:
     return await driver.health()
 
 
 @get("/metrics")
-async def metrics(metrics: GatewayMetrics) -> Response[bytes]:
+async def metrics(metrics: NamedDependency[GatewayMetrics]) -> Response[bytes]:
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -8,6 +8,8 @@ from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request, Response, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.di import NamedDependency
 from litestar.response import Stream
 
 from drivers.base import Driver
@@ -33,28 +35,38 @@ async def _decode(request: Request, schema: type[T]) -> T:
         raise invalid_body(exc) from None
 
 
+async def _close_stream(events: AsyncIterator[bytes]) -> None:
+    # Litestar cancels the stream on disconnect but never closes the iterator; when the cancel
+    # lands while we are suspended at a `yield`, only this close runs our `finally` (abort +
+    # release) at once rather than whenever the generator is garbage-collected.
+    closer = getattr(events, "aclose", None)
+    if closer is not None:
+        await closer()
+
+
 def _respond(result: msgspec.Struct | AsyncIterator[bytes], rid: str) -> Response[Any]:
     if isinstance(result, msgspec.Struct):
         return Response(msgspec.json.encode(result), media_type="application/json", headers={"x-request-id": rid})
-    return Stream(result, media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
+    return Stream(result, media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid},
+                  background=BackgroundTask(_close_stream, result))
 
 
 @post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request, service: CompletionService) -> Response[Any]:
+async def chat_completions(request: Request, service: NamedDependency[CompletionService]) -> Response[Any]:
     rid = _new_request_id(request, "chatcmpl")
     body = await _decode(request, ChatCompletionRequest)
     return _respond(await service.chat(body, rid), rid)
 
 
 @post("/v1/completions", status_code=200)
-async def completions(request: Request, service: CompletionService) -> Response[Any]:
+async def completions(request: Request, service: NamedDependency[CompletionService]) -> Response[Any]:
     rid = _new_request_id(request, "cmpl")
     body = await _decode(request, CompletionRequest)
     return _respond(await service.completion(body, rid), rid)
 
 
 @get("/v1/models")
-async def list_models(driver: Driver) -> ModelList:
+async def list_models(driver: NamedDependency[Driver]) -> ModelList:
     return ModelList(data=[ModelObject(c.id, c.created, c.owned_by, c.max_model_len) for c in driver.models()])
 
 
