@@ -74,8 +74,8 @@ class SyntheticDriver(Driver):
             raise ValueError("max_model_len must be >= 2")
         self.model_name = model_name
         # <= 0 or inf: emit as fast as the event loop allows.
-        self.token_interval_s = 0.0 if tokens_per_second <= 0 or math.isinf(tokens_per_second) else (
-            1.0 / tokens_per_second
+        self.token_interval_s = (
+            0.0 if tokens_per_second <= 0 or math.isinf(tokens_per_second) else (1.0 / tokens_per_second)
         )
         self.ttft_s = max(0.0, ttft_s)
         self.max_model_len = max_model_len
@@ -131,7 +131,9 @@ class SyntheticDriver(Driver):
         if request.prompt_token_ids is not None:
             bad = [t for t in request.prompt_token_ids if not 0 <= t < len(VOCAB)]
             if bad:
-                raise InvalidRequestError(f"Token id {bad[0]} is out of vocabulary (size {len(VOCAB)})", "prompt")
+                raise InvalidRequestError(
+                    f"Token id {bad[0]} is out of vocabulary (size {len(VOCAB)})", "prompt"
+                )
             return [BOS, *request.prompt_token_ids]
         if request.messages is not None:
             ids = [BOS]
@@ -264,8 +266,11 @@ class SyntheticDriver(Driver):
             value -= rng.uniform(0.1, 1.5)  # strictly decreasing alternatives
             alt = VOCAB[rng.randrange(_FIRST_WORD, len(VOCAB))]
             top.append(TopLogprob(token=alt, logprob=value, bytes=list(alt.encode())))
-        return [TokenLogprob(token=VOCAB[tid], logprob=sampled, bytes=list(VOCAB[tid].encode()),
-                             top_logprobs=top[:top_n])]
+        return [
+            TokenLogprob(
+                token=VOCAB[tid], logprob=sampled, bytes=list(VOCAB[tid].encode()), top_logprobs=top[:top_n]
+            )
+        ]
 
     @staticmethod
     def _chunk(
@@ -289,7 +294,13 @@ class SyntheticDriver(Driver):
         )
 
 
-def _with_times(chunk: GenerationChunk, arrival: float, scheduled: float, first: float | None) -> GenerationChunk:
+def _with_times(
+    chunk: GenerationChunk, arrival: float, scheduled: float, first: float | None
+) -> GenerationChunk:
     return msgspec.structs.replace(
-        chunk, arrival_time=arrival, first_scheduled_time=scheduled, first_token_time=first, finish_time=time.time()
+        chunk,
+        arrival_time=arrival,
+        first_scheduled_time=scheduled,
+        first_token_time=first,
+        finish_time=time.time(),
     )

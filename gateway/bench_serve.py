@@ -22,8 +22,41 @@ from typing import Any, Literal
 import httpx
 from tqdm import tqdm
 
-_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-          "government company number group problem fact river stone cloud light music garden window paper").split()
+_WORDS = [
+    "time",
+    "person",
+    "year",
+    "way",
+    "day",
+    "thing",
+    "man",
+    "world",
+    "life",
+    "hand",
+    "part",
+    "child",
+    "eye",
+    "woman",
+    "place",
+    "work",
+    "week",
+    "case",
+    "point",
+    "government",
+    "company",
+    "number",
+    "group",
+    "problem",
+    "fact",
+    "river",
+    "stone",
+    "cloud",
+    "light",
+    "music",
+    "garden",
+    "window",
+    "paper",
+]
 
 
 @dataclass(frozen=True)
@@ -111,8 +144,11 @@ def _prompt(rng: random.Random, length: int) -> str:
 
 def _body(config: BenchConfig, model: str, prompt: str) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": model, "max_tokens": config.output_len, "stream": True,
-        "stream_options": {"include_usage": True}, "temperature": 0.0,
+        "model": model,
+        "max_tokens": config.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
     }
     if config.ignore_eos:
         body["ignore_eos"] = True
@@ -210,19 +246,30 @@ def _summarize(config: BenchConfig, model: str, records: list[RequestRecord], du
     in_tokens = sum(r.prompt_tokens for r in ok)
     goodput = None
     if config.slo_ttft_ms is not None or config.slo_tpot_ms is not None:
-        good = [r for r in ok
-                if (config.slo_ttft_ms is None or r.ttft_s * 1000 <= config.slo_ttft_ms)
-                and (config.slo_tpot_ms is None or r.tpot_s * 1000 <= config.slo_tpot_ms)]
+        good = [
+            r
+            for r in ok
+            if (config.slo_ttft_ms is None or r.ttft_s * 1000 <= config.slo_ttft_ms)
+            and (config.slo_tpot_ms is None or r.tpot_s * 1000 <= config.slo_tpot_ms)
+        ]
         goodput = len(good) / duration if duration > 0 else 0.0
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
     return BenchResult(
-        model=model, endpoint=config.endpoint, duration_s=duration,
-        completed=len(ok), failed=len(records) - len(ok),
-        total_input_tokens=in_tokens, total_output_tokens=out_tokens,
-        request_throughput=per_s(len(ok)), output_throughput=per_s(out_tokens),
-        total_token_throughput=per_s(in_tokens + out_tokens), goodput=goodput,
-        ttft_ms=Stats.of([r.ttft_s for r in ok]), tpot_ms=Stats.of([r.tpot_s for r in ok if r.output_tokens > 1]),
-        itl_ms=Stats.of([x for r in ok for x in r.itl_s]), e2e_ms=Stats.of([r.e2e_s for r in ok]),
+        model=model,
+        endpoint=config.endpoint,
+        duration_s=duration,
+        completed=len(ok),
+        failed=len(records) - len(ok),
+        total_input_tokens=in_tokens,
+        total_output_tokens=out_tokens,
+        request_throughput=per_s(len(ok)),
+        output_throughput=per_s(out_tokens),
+        total_token_throughput=per_s(in_tokens + out_tokens),
+        goodput=goodput,
+        ttft_ms=Stats.of([r.ttft_s for r in ok]),
+        tpot_ms=Stats.of([r.tpot_s for r in ok if r.output_tokens > 1]),
+        itl_ms=Stats.of([x for r in ok for x in r.itl_s]),
+        e2e_ms=Stats.of([r.e2e_s for r in ok]),
         errors=sorted({r.error for r in records if not r.ok})[:10],
     )
 
@@ -242,8 +289,12 @@ def format_report(result: BenchResult) -> str:
     ]
     if result.goodput is not None:
         lines.append(f"{'Request goodput (req/s):':<40}{result.goodput:.2f}")
-    for name, stats in (("TTFT", result.ttft_ms), ("TPOT", result.tpot_ms), ("ITL", result.itl_ms),
-                        ("E2E latency", result.e2e_ms)):
+    for name, stats in (
+        ("TTFT", result.ttft_ms),
+        ("TPOT", result.tpot_ms),
+        ("ITL", result.itl_ms),
+        ("E2E latency", result.e2e_ms),
+    ):
         lines.append(f"{' ' + name + ' (ms) ':-^60}")
         for key in ("mean", "p50", "p90", "p99"):
             lines.append(f"{key.capitalize() + ' ' + name + ' (ms):':<40}{getattr(stats, key):.2f}")
@@ -254,8 +305,11 @@ def format_report(result: BenchResult) -> str:
 
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="benchmark an OpenAI-compatible server",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser(
+        "serve",
+        help="benchmark an OpenAI-compatible server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     d = BenchConfig()
     p.add_argument("--base-url", default=d.base_url, help="server root, without /v1")
     p.add_argument("--model", default=None, help="model id; default: the first from /v1/models")
@@ -264,7 +318,9 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--input-len", type=int, default=d.input_len, help="approximate prompt length in tokens")
     p.add_argument("--output-len", type=int, default=d.output_len, help="max_tokens of each request")
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to generate exactly output-len")
-    p.add_argument("--request-rate", type=float, default=d.request_rate, help="req/s, Poisson; inf = all at once")
+    p.add_argument(
+        "--request-rate", type=float, default=d.request_rate, help="req/s, Poisson; inf = all at once"
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of prompts and arrival times")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO for goodput")
@@ -278,11 +334,21 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def _main(args: argparse.Namespace, _env: object) -> int:
     config = BenchConfig(
-        base_url=args.base_url, model=args.model, endpoint=args.endpoint, num_prompts=args.num_prompts,
-        input_len=args.input_len, output_len=args.output_len, request_rate=args.request_rate,
-        max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
-        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, timeout_s=args.timeout,
-        progress=not args.no_progress, api_key=args.api_key,
+        base_url=args.base_url,
+        model=args.model,
+        endpoint=args.endpoint,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
+        api_key=args.api_key,
     )
     result = asyncio.run(run_benchmark(config))
     print(format_report(result))

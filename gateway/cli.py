@@ -27,31 +27,61 @@ def parse_bytes(text: str) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Settings) -> None:
-    p = sub.add_parser("serve", help="run the OpenAI-compatible gateway",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible gateway",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--host", default=env.host, help="interface to bind (SLUICE_HOST)")
     p.add_argument("--port", type=int, default=env.port, help="TCP port (SLUICE_PORT)")
     p.add_argument("--driver", default=env.driver, help="engine driver: native or synthetic (SLUICE_DRIVER)")
-    p.add_argument("--model", default=env.model,
-                   help="model path for the native driver; default: the bundled model (SLUICE_MODEL)")
+    p.add_argument(
+        "--model",
+        default=env.model,
+        help="model path for the native driver; default: the bundled model (SLUICE_MODEL)",
+    )
     p.add_argument("--served-model-name", default=None, help="model id clients send; default: the driver's")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight/activation dtype")
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight/activation dtype"
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="cap on sequences running in one engine step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="KV cache pool size, e.g. 2GiB; default: a fraction of free memory")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="KV cache pool size, e.g. 2GiB; default: a fraction of free memory",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="context length cap; default: the model's")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; default: torch's choice")
-    p.add_argument("--max-waiting", type=int, default=env.max_waiting,
-                   help="queued requests beyond the running ones before 503 (SLUICE_MAX_WAITING)")
-    p.add_argument("--max-body-bytes", type=int, default=env.max_body_bytes,
-                   help="largest request body; larger gets 413 (SLUICE_MAX_BODY_BYTES)")
-    p.add_argument("--stream-timeout", type=float, default=env.stream_timeout_s,
-                   help="lifetime cap of one generation in seconds (SLUICE_STREAM_TIMEOUT_S)")
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=env.max_waiting,
+        help="queued requests beyond the running ones before 503 (SLUICE_MAX_WAITING)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=env.max_body_bytes,
+        help="largest request body; larger gets 413 (SLUICE_MAX_BODY_BYTES)",
+    )
+    p.add_argument(
+        "--stream-timeout",
+        type=float,
+        default=env.stream_timeout_s,
+        help="lifetime cap of one generation in seconds (SLUICE_STREAM_TIMEOUT_S)",
+    )
     p.add_argument("--log-level", default=env.log_level, help="DEBUG, INFO, WARNING, ... (SLUICE_LOG_LEVEL)")
-    p.add_argument("--synthetic-tokens-per-second", type=float, default=50.0,
-                   help="synthetic driver: decode rate per request (0 = unthrottled)")
-    p.add_argument("--synthetic-ttft-ms", type=float, default=50.0, help="synthetic driver: time to first token")
+    p.add_argument(
+        "--synthetic-tokens-per-second",
+        type=float,
+        default=50.0,
+        help="synthetic driver: decode rate per request (0 = unthrottled)",
+    )
+    p.add_argument(
+        "--synthetic-ttft-ms", type=float, default=50.0, help="synthetic driver: time to first token"
+    )
     p.set_defaults(func=_serve)
 
 
@@ -87,12 +117,19 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
     from gateway.app import create_app
     from gateway.logs import configure_logging
 
-    settings = Settings(**{
-        **{f: getattr(env, f) for f in env.__dataclass_fields__},
-        "host": args.host, "port": args.port, "driver": args.driver, "model": args.model,
-        "max_waiting": args.max_waiting, "max_body_bytes": args.max_body_bytes,
-        "stream_timeout_s": args.stream_timeout, "log_level": args.log_level.upper(),
-    })
+    settings = Settings(
+        **{
+            **{f: getattr(env, f) for f in env.__dataclass_fields__},
+            "host": args.host,
+            "port": args.port,
+            "driver": args.driver,
+            "model": args.model,
+            "max_waiting": args.max_waiting,
+            "max_body_bytes": args.max_body_bytes,
+            "stream_timeout_s": args.stream_timeout,
+            "log_level": args.log_level.upper(),
+        }
+    )
     configure_logging(settings.log_level)
     driver = create_driver(settings.driver, **_driver_options(args))
     app = create_app(settings, driver)
@@ -101,11 +138,18 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
     print(
         f"Sluice listening on {base} (driver {settings.driver}). Try:\n"
         f"  curl {base}/v1/chat/completions -H 'content-type: application/json' "
-        f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'",
+        f'-d \'{{"messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}\'',
         flush=True,
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_config=None,
-                log_level=settings.log_level.lower(), access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
     return 0
 
 

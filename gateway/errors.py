@@ -61,7 +61,9 @@ def error_response(
     return Response(content=body, status_code=status, media_type="application/json", headers=all_headers)
 
 
-def error_from_driver(exc: DriverError, request_id: str | None = None) -> tuple[int, ErrorDetail, dict[str, str]]:
+def error_from_driver(
+    exc: DriverError, request_id: str | None = None
+) -> tuple[int, ErrorDetail, dict[str, str]]:
     """Status, body and headers for a driver error; also used for errors inside an open stream."""
     if isinstance(exc, InvalidRequestError):
         return 400, ErrorDetail(str(exc), "invalid_request_error", exc.param), {}
@@ -71,7 +73,11 @@ def error_from_driver(exc: DriverError, request_id: str | None = None) -> tuple[
         retry = str(max(1, math.ceil(exc.retry_after)))
         return 503, ErrorDetail(str(exc), "overloaded_error", None, "overloaded"), {"retry-after": retry}
     if isinstance(exc, EngineDeadError):
-        return 503, ErrorDetail(str(exc) or "The engine is not running", "engine_dead_error", None, "engine_dead"), {}
+        return (
+            503,
+            ErrorDetail(str(exc) or "The engine is not running", "engine_dead_error", None, "engine_dead"),
+            {},
+        )
     log.error("unmapped driver error", extra={"request_id": request_id}, exc_info=exc)
     return 500, ErrorDetail("Internal server error", "server_error"), {}
 
@@ -88,8 +94,9 @@ def invalid_body(exc: msgspec.DecodeError) -> InvalidRequestError:
 
 def _on_driver_error(request: Request, exc: DriverError) -> Response[bytes]:
     status, detail, headers = error_from_driver(exc, request_id_of(request))
-    return error_response(status, detail.message, detail.type, detail.param, detail.code, headers,
-                          request_id_of(request))
+    return error_response(
+        status, detail.message, detail.type, detail.param, detail.code, headers, request_id_of(request)
+    )
 
 
 def _on_http_error(request: Request, exc: HTTPException) -> Response[bytes]:
@@ -103,12 +110,20 @@ def _on_http_error(request: Request, exc: HTTPException) -> Response[bytes]:
         limit = request.route_handler.resolve_request_max_body_size()
         message = f"Request body is larger than the maximum of {limit} bytes"
     headers = {k: v for k, v in (exc.headers or {}).items()}
-    return error_response(status, message, _HTTP_TYPES.get(status, "http_error"), code=status,
-                          headers=headers, request_id=request_id_of(request))
+    return error_response(
+        status,
+        message,
+        _HTTP_TYPES.get(status, "http_error"),
+        code=status,
+        headers=headers,
+        request_id=request_id_of(request),
+    )
 
 
 def _on_timeout(request: Request, exc: LifetimeExceededError) -> Response[bytes]:
-    return error_response(504, str(exc), "timeout_error", code="request_timeout", request_id=request_id_of(request))
+    return error_response(
+        504, str(exc), "timeout_error", code="request_timeout", request_id=request_id_of(request)
+    )
 
 
 def _on_unexpected(request: Request, exc: Exception) -> Response[bytes]:

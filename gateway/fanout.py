@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import cast
 
 from drivers.base import Driver, GenerationChunk, GenerationRequest
@@ -70,7 +70,7 @@ class Fanout:
                 yield i, chunk
             self._finished.add(i)
             return
-        queue: asyncio.Queue[tuple[int, GenerationChunk | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, GenerationChunk | Exception | None]] = asyncio.Queue()
         self._pumps = [asyncio.create_task(self._pump(i, queue)) for i in pending]
         remaining = len(pending)
         while remaining:
@@ -107,12 +107,14 @@ class Fanout:
                 with contextlib.suppress(Exception):
                     await self._driver.abort(self._requests[i].request_id)
 
-    async def _pump(self, i: int, queue: asyncio.Queue[tuple[int, GenerationChunk | None]]) -> None:
+    async def _pump(
+        self, i: int, queue: asyncio.Queue[tuple[int, GenerationChunk | Exception | None]]
+    ) -> None:
         try:
             async for chunk in self._iters[i]:
                 await queue.put((i, chunk))
-        except Exception as exc:  # hand driver errors to the consumer, which re-raises them
-            await queue.put((i, exc))  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - not swallowed: the consumer re-raises it in its task
+            await queue.put((i, exc))
         await queue.put((i, _END))
 
     async def _next_before_deadline(self, it: AsyncIterator[GenerationChunk]) -> GenerationChunk | None:
@@ -122,7 +124,7 @@ class Fanout:
         except TimeoutError:
             raise LifetimeExceededError("The request ran past its lifetime cap") from None
 
-    async def _abandon(self, firsts: list[asyncio.Future[GenerationChunk | None]]) -> None:
+    async def _abandon(self, firsts: Sequence[asyncio.Future[GenerationChunk | None]]) -> None:
         for task in firsts:
             task.cancel()
         for task in firsts:

@@ -7,7 +7,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 # Label values for `endpoint`: known routes by path, everything else collapsed to keep cardinality bounded.
 KNOWN_ENDPOINTS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz", "/readyz", "/metrics", "/v1/engine/stats"}
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/v1/engine/stats",
+    }
 )
 
 
@@ -15,7 +23,9 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "sluice_http_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+            "sluice_http_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
             registry=self.registry,
         )
         self.prompt_tokens = Counter(
@@ -28,13 +38,17 @@ class GatewayMetrics:
             "sluice_requests_in_flight", "Generation requests being served now", registry=self.registry
         )
         self.ttft = Histogram(
-            "sluice_time_to_first_token_seconds", "Time from request arrival to the first token",
-            ["model"], registry=self.registry,
+            "sluice_time_to_first_token_seconds",
+            "Time from request arrival to the first token",
+            ["model"],
+            registry=self.registry,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
         )
         self.e2e = Histogram(
-            "sluice_request_duration_seconds", "Time from request arrival to the last byte of a generation",
-            ["model"], registry=self.registry,
+            "sluice_request_duration_seconds",
+            "Time from request arrival to the last byte of a generation",
+            ["model"],
+            registry=self.registry,
             buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
         )
 

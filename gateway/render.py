@@ -60,10 +60,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
 
 
 def _chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
-    return ChatLogprobs(content=[
-        TokenLogprobOut(t.token, t.logprob, t.bytes, [TopLogprobOut(a.token, a.logprob, a.bytes) for a in t.top_logprobs])
-        for t in items
-    ])
+    return ChatLogprobs(
+        content=[
+            TokenLogprobOut(
+                t.token,
+                t.logprob,
+                t.bytes,
+                [TopLogprobOut(a.token, a.logprob, a.bytes) for a in t.top_logprobs],
+            )
+            for t in items
+        ]
+    )
 
 
 def _completion_logprobs(items: list[TokenLogprob], start_offset: int = 0) -> CompletionLogprobs:
@@ -83,23 +90,38 @@ def chat_completion(
     rid: str, created: int, model: str, outputs: list[ChoiceOutput], prompt_tokens: int, logprobs: bool
 ) -> ChatCompletion:
     choices = [
-        ChatChoice(i, ResponseMessage("".join(o.text)), o.finish_reason, _chat_logprobs(o.logprobs) if logprobs else None)
+        ChatChoice(
+            i,
+            ResponseMessage("".join(o.text)),
+            o.finish_reason,
+            _chat_logprobs(o.logprobs) if logprobs else None,
+        )
         for i, o in enumerate(outputs)
     ]
     completion = sum(o.completion_tokens for o in outputs)
-    return ChatCompletion(id=rid, created=created, model=model, choices=choices, usage=usage(prompt_tokens, completion))
+    return ChatCompletion(
+        id=rid, created=created, model=model, choices=choices, usage=usage(prompt_tokens, completion)
+    )
 
 
 def text_completion(
     rid: str, created: int, model: str, outputs: list[ChoiceOutput], prompt_tokens: int, logprobs: bool
 ) -> Completion:
     choices = [
-        CompletionChoice(i, "".join(o.text), o.finish_reason, _completion_logprobs(o.logprobs) if logprobs else None)
+        CompletionChoice(
+            i, "".join(o.text), o.finish_reason, _completion_logprobs(o.logprobs) if logprobs else None
+        )
         for i, o in enumerate(outputs)
     ]
     completion = sum(o.completion_tokens for o in outputs)
-    return Completion(id=rid, object="text_completion", created=created, model=model, choices=choices,
-                      usage=usage(prompt_tokens, completion))
+    return Completion(
+        id=rid,
+        object="text_completion",
+        created=created,
+        model=model,
+        choices=choices,
+        usage=usage(prompt_tokens, completion),
+    )
 
 
 @dataclass(frozen=True)
@@ -111,8 +133,16 @@ class ChatChunks:
     model: str
 
     def _chunk(self, choices: list[ChatChunkChoice], use: Usage | None = None) -> bytes:
-        return sse(ChatCompletionChunk(id=self.rid, object="chat.completion.chunk", created=self.created,
-                                       model=self.model, choices=choices, usage=use))
+        return sse(
+            ChatCompletionChunk(
+                id=self.rid,
+                object="chat.completion.chunk",
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=use,
+            )
+        )
 
     def role(self, index: int) -> bytes:
         return self._chunk([ChatChunkChoice(index, Delta(role="assistant", content=""))])
@@ -139,8 +169,16 @@ class CompletionChunks:
     offsets: dict[int, int] = field(default_factory=dict)
 
     def _chunk(self, choices: list[CompletionChoice], use: Usage | None = None) -> bytes:
-        return sse(Completion(id=self.rid, object="text_completion", created=self.created, model=self.model,
-                              choices=choices, usage=use))
+        return sse(
+            Completion(
+                id=self.rid,
+                object="text_completion",
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=use,
+            )
+        )
 
     def delta(self, index: int, chunk: GenerationChunk, logprobs: bool) -> bytes | None:
         if not chunk.text and chunk.finish_reason is None and not (logprobs and chunk.logprobs):

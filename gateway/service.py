@@ -44,7 +44,9 @@ class CompletionService:
         logprobs = dispatch.logprobs is not None
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await self._stream(dispatch, ChatChunks(rid, created, dispatch.model), include_usage, logprobs)
+            return await self._stream(
+                dispatch, ChatChunks(rid, created, dispatch.model), include_usage, logprobs
+            )
         outputs = await self._collect(dispatch)
         return chat_completion(rid, created, dispatch.model, outputs, dispatch.prompt_tokens, logprobs)
 
@@ -94,8 +96,13 @@ class CompletionService:
         return self._events(dispatch, fanout, started, renderer, include_usage, logprobs)
 
     async def _events(
-        self, dispatch: Dispatch, fanout: Fanout, started: float,
-        renderer: ChatChunks | CompletionChunks, include_usage: bool, logprobs: bool,
+        self,
+        dispatch: Dispatch,
+        fanout: Fanout,
+        started: float,
+        renderer: ChatChunks | CompletionChunks,
+        include_usage: bool,
+        logprobs: bool,
     ) -> AsyncIterator[bytes]:
         completion = [0] * len(dispatch.requests)
         outcome = "disconnected"  # stays so unless we reach the end or an error below

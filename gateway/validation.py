@@ -11,7 +11,14 @@ from typing import Literal
 
 import msgspec
 
-from drivers.base import ChatMessage, Driver, GenerationRequest, InvalidRequestError, ModelCard, ModelNotFoundError
+from drivers.base import (
+    ChatMessage,
+    Driver,
+    GenerationRequest,
+    InvalidRequestError,
+    ModelCard,
+    ModelNotFoundError,
+)
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 
@@ -52,7 +59,9 @@ def chat_dispatch(body: ChatCompletionRequest, request_id: str, driver: Driver, 
     return Dispatch(request_id, card.id, _fan_out([template], body.n, body.seed), prompt_tokens, logprobs)
 
 
-def completion_dispatch(body: CompletionRequest, request_id: str, driver: Driver, default_cap: int) -> Dispatch:
+def completion_dispatch(
+    body: CompletionRequest, request_id: str, driver: Driver, default_cap: int
+) -> Dispatch:
     card = resolve_model(driver, body.model)
     if body.echo:
         raise InvalidRequestError("echo is not supported", "echo")
@@ -62,8 +71,11 @@ def completion_dispatch(body: CompletionRequest, request_id: str, driver: Driver
     prompts: list[GenerationRequest] = []
     total_prompt = 0
     for prompt in _split_prompt(body.prompt):
-        one = (msgspec.structs.replace(base, prompt=prompt) if isinstance(prompt, str)
-               else msgspec.structs.replace(base, prompt_token_ids=prompt))
+        one = (
+            msgspec.structs.replace(base, prompt=prompt)
+            if isinstance(prompt, str)
+            else msgspec.structs.replace(base, prompt_token_ids=prompt)
+        )
         count = driver.count_prompt_tokens(one)
         budget = _completion_budget(card, count, body.max_tokens, default_cap, "prompt")
         prompts.append(msgspec.structs.replace(one, max_tokens=budget))
@@ -92,7 +104,10 @@ def _base_request(
 
 
 def _completion_budget(
-    card: ModelCard, prompt_tokens: int, max_tokens: int | None, default_cap: int,
+    card: ModelCard,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    default_cap: int,
     prompt_name: Literal["messages", "prompt"],
 ) -> int:
     room = card.max_model_len - prompt_tokens
@@ -139,7 +154,11 @@ def _fan_out(prompts: list[GenerationRequest], n: int, seed: int | None) -> list
     for p, prompt in enumerate(prompts):
         for i in range(n):
             index = p * n + i
-            out.append(msgspec.structs.replace(
-                prompt, request_id=f"{prompt.request_id}-{index}", seed=None if seed is None else seed + index
-            ))
+            out.append(
+                msgspec.structs.replace(
+                    prompt,
+                    request_id=f"{prompt.request_id}-{index}",
+                    seed=None if seed is None else seed + index,
+                )
+            )
     return out

@@ -46,9 +46,15 @@ async def _close_stream(events: AsyncIterator[bytes]) -> None:
 
 def _respond(result: msgspec.Struct | AsyncIterator[bytes], rid: str) -> Response[Any]:
     if isinstance(result, msgspec.Struct):
-        return Response(msgspec.json.encode(result), media_type="application/json", headers={"x-request-id": rid})
-    return Stream(result, media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid},
-                  background=BackgroundTask(_close_stream, result))
+        return Response(
+            msgspec.json.encode(result), media_type="application/json", headers={"x-request-id": rid}
+        )
+    return Stream(
+        result,
+        media_type="text/event-stream",
+        headers={**SSE_HEADERS, "x-request-id": rid},
+        background=BackgroundTask(_close_stream, result),
+    )
 
 
 @post("/v1/chat/completions", status_code=200)
@@ -67,7 +73,9 @@ async def completions(request: Request, service: NamedDependency[CompletionServi
 
 @get("/v1/models")
 async def list_models(driver: NamedDependency[Driver]) -> ModelList:
-    return ModelList(data=[ModelObject(c.id, c.created, c.owned_by, c.max_model_len) for c in driver.models()])
+    return ModelList(
+        data=[ModelObject(c.id, c.created, c.owned_by, c.max_model_len) for c in driver.models()]
+    )
 
 
 OPENAI_ROUTES = [chat_completions, completions, list_models]

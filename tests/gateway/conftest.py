@@ -1,92 +1,42 @@
-"""Real `sluice serve --driver synthetic` processes on free ports, shared per session."""
+"""Session-wide synthetic servers for the gateway tests."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
-import httpx
 import pytest
-
-SLUICE = str(Path(sys.executable).parent / "sluice")
-MAX_MODEL_LEN = 512
-MAX_BODY_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True)
-class Server:
-    base_url: str
-    process: subprocess.Popen[bytes]
-
-    @property
-    def v1(self) -> str:
-        return f"{self.base_url}/v1"
-
-    def stats(self) -> dict[str, object]:
-        data: dict[str, object] = httpx.get(f"{self.base_url}/v1/engine/stats").json()
-        return data
-
-    def wait_idle(self, timeout_s: float = 5.0) -> dict[str, object]:
-        """Poll the driver until nothing runs or waits; return the last stats."""
-        deadline = time.monotonic() + timeout_s
-        stats = self.stats()
-        while (stats["running"] or stats["waiting"]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-            stats = self.stats()
-        return stats
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _start(*options: str) -> Iterator[Server]:
-    port = _free_port()
-    cmd = [SLUICE, "serve", "--driver", "synthetic", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "WARNING", *options]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited: {process.stderr.read().decode() if process.stderr else ''}")
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError("server did not come up")
-        time.sleep(0.1)
-    try:
-        yield Server(base, process)
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+from gateway_server import MAX_BODY_BYTES, MAX_MODEL_LEN, Server, start_server
 
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
     """Fast synthetic engine: ~2,000 tokens/s per request, small context and body cap."""
-    yield from _start("--synthetic-tokens-per-second", "2000", "--synthetic-ttft-ms", "2",
-                      "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", str(MAX_BODY_BYTES),
-                      "--max-num-seqs", "256", "--max-waiting", "256")
+    yield from start_server(
+        "--synthetic-tokens-per-second",
+        "2000",
+        "--synthetic-ttft-ms",
+        "2",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-body-bytes",
+        str(MAX_BODY_BYTES),
+        "--max-num-seqs",
+        "256",
+        "--max-waiting",
+        "256",
+    )
 
 
 @pytest.fixture(scope="session")
 def slow_server() -> Iterator[Server]:
     """Slow engine with a tiny queue (2 running + 2 waiting): for overload and disconnects."""
-    yield from _start("--synthetic-tokens-per-second", "20", "--synthetic-ttft-ms", "10",
-                      "--max-num-seqs", "2", "--max-waiting", "2")
+    yield from start_server(
+        "--synthetic-tokens-per-second",
+        "20",
+        "--synthetic-ttft-ms",
+        "10",
+        "--max-num-seqs",
+        "2",
+        "--max-waiting",
+        "2",
+    )

@@ -15,7 +15,9 @@ def req(rid: str, **kw: object) -> GenerationRequest:
     return GenerationRequest(request_id=rid, model="synthetic", **{"prompt": "a b c", **kw})  # type: ignore[arg-type]
 
 
-async def collect(driver: SyntheticDriver, request: GenerationRequest) -> tuple[str, FinishReason | None, int]:
+async def collect(
+    driver: SyntheticDriver, request: GenerationRequest
+) -> tuple[str, FinishReason | None, int]:
     text, finish, tokens = "", None, 0
     async for chunk in driver.generate(request):
         text += chunk.text
@@ -35,8 +37,9 @@ def test_registry_creates_synthetic_without_importing_native() -> None:
 
 def test_prompt_count_matches_generation_and_chat_template() -> None:
     driver = SyntheticDriver(tokens_per_second=0, ttft_s=0)
-    chat = GenerationRequest(request_id="c", model="synthetic",
-                             messages=[ChatMessage("system", "x y"), ChatMessage("user", "z")])
+    chat = GenerationRequest(
+        request_id="c", model="synthetic", messages=[ChatMessage("system", "x y"), ChatMessage("user", "z")]
+    )
     assert driver.count_prompt_tokens(chat) == 1 + (1 + 2 + 1) + (1 + 1 + 1) + 1
     assert driver.count_prompt_tokens(req("p")) == 4
 
@@ -55,7 +58,7 @@ def test_stop_string_text_never_leaks_past_the_cut() -> None:
         await driver.start()
         full, _, _ = await collect(driver, req("a", max_tokens=30, seed=11))
         for start in range(0, 40, 3):
-            stop = full[start:start + 4]
+            stop = full[start : start + 4]
             if stop.strip() != stop:
                 continue
             text, finish, _ = await collect(driver, req(f"s{start}", max_tokens=30, seed=11, stop=[stop]))
@@ -105,4 +108,6 @@ def test_context_and_token_id_validation() -> None:
     with pytest.raises(InvalidRequestError, match="maximum context length is 8"):
         asyncio.run(anext(driver.generate(req("a", max_tokens=6))))
     with pytest.raises(InvalidRequestError):
-        driver.count_prompt_tokens(GenerationRequest(request_id="t", model="synthetic", prompt_token_ids=[-1]))
+        driver.count_prompt_tokens(
+            GenerationRequest(request_id="t", model="synthetic", prompt_token_ids=[-1])
+        )

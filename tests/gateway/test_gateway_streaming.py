@@ -9,21 +9,28 @@ import time
 
 import httpx
 import openai
-
-from tests.gateway.conftest import Server
+from gateway_server import Server
 
 
 def test_sse_framing_is_byte_exact(server: Server) -> None:
-    body = {"model": "synthetic", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3,
-            "seed": 1, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": "hi there"}],
+        "max_tokens": 3,
+        "seed": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     resp = httpx.post(server.v1 + "/chat/completions", json=body)
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("text/event-stream")
     assert resp.headers["cache-control"] == "no-cache"
-    first = json.loads(resp.content.split(b"\n\n", 1)[0][len(b"data: "):])
+    first = json.loads(resp.content.split(b"\n\n", 1)[0][len(b"data: ") :])
     rid, created = first["id"], first["created"]
     assert resp.headers["x-request-id"] == rid
-    head = f'{{"id":"{rid}","object":"chat.completion.chunk","created":{created},"model":"synthetic","choices":'
+    head = (
+        f'{{"id":"{rid}","object":"chat.completion.chunk","created":{created},"model":"synthetic","choices":'
+    )
     expected = (
         f'data: {head}[{{"index":0,"delta":{{"role":"assistant","content":""}},"finish_reason":null,"logprobs":null}}]}}\n\n'
         f'data: {head}[{{"index":0,"delta":{{"content":"gasa"}},"finish_reason":null,"logprobs":null}}]}}\n\n'
@@ -94,8 +101,11 @@ def test_fifty_concurrent_streams_finish_with_correct_lengths(server: Server) ->
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, int]:
         want = 20 + i % 13
         stream = await client.chat.completions.create(
-            model="synthetic", messages=[{"role": "user", "content": f"request {i}"}], max_tokens=want,
-            stream=True, stream_options={"include_usage": True},
+            model="synthetic",
+            messages=[{"role": "user", "content": f"request {i}"}],
+            max_tokens=want,
+            stream=True,
+            stream_options={"include_usage": True},
         )
         text, usage = "", 0
         async for chunk in stream:

@@ -7,8 +7,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
-from tests.gateway.conftest import MAX_BODY_BYTES, MAX_MODEL_LEN, Server
+from gateway_server import MAX_BODY_BYTES, MAX_MODEL_LEN, Server
 
 CHAT = "/chat/completions"
 GOOD = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]}
@@ -72,7 +71,9 @@ def test_invalid_completion_bodies_are_400(server: Server, body: dict[str, Any],
     assert_error(httpx.post(server.v1 + "/completions", json=body), 400, param)
 
 
-@pytest.mark.parametrize("raw", [b"{bad json", b"", b"[1, 2]", b"null", "{\"messages\": \"\xff\"}".encode("latin-1")])
+@pytest.mark.parametrize(
+    "raw", [b"{bad json", b"", b"[1, 2]", b"null", '{"messages": "\xff"}'.encode("latin-1")]
+)
 def test_malformed_json_is_400(server: Server, raw: bytes) -> None:
     resp = httpx.post(server.v1 + CHAT, content=raw, headers={"content-type": "application/json"})
     assert_error(resp, 400)
@@ -82,8 +83,10 @@ def test_context_overflow_names_both_numbers(server: Server) -> None:
     error = assert_error(httpx.post(server.v1 + CHAT, json={**GOOD, "max_tokens": 600}), 400, "max_tokens")
     prompt_tokens = 1 + 1 + 1 + 1 + 1
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
-    assert f"you requested {prompt_tokens + 600} tokens ({prompt_tokens} in the messages, 600 in the completion)" in (
-        error["message"])
+    assert (
+        f"you requested {prompt_tokens + 600} tokens ({prompt_tokens} in the messages, 600 in the completion)"
+        in (error["message"])
+    )
     long_prompt = " ".join(["w"] * MAX_MODEL_LEN)
     error = assert_error(httpx.post(server.v1 + "/completions", json={"prompt": long_prompt}), 400, "prompt")
     assert str(MAX_MODEL_LEN + 1) in error["message"]
@@ -101,11 +104,15 @@ def test_body_over_cap_is_413(server: Server) -> None:
     big = {**GOOD, "messages": [{"role": "user", "content": "x " * MAX_BODY_BYTES}]}
     error = assert_error(httpx.post(server.v1 + CHAT, json=big), 413)
     assert error["type"] == "request_too_large_error" and str(MAX_BODY_BYTES) in error["message"]
+
     # Without a content-length header (chunked upload) the cap is enforced on the bytes received.
     def chunks() -> Any:
         for _ in range(MAX_BODY_BYTES // 1024 + 2):
             yield b" " * 1024
-    assert_error(httpx.post(server.v1 + CHAT, content=chunks(), headers={"content-type": "application/json"}), 413)
+
+    assert_error(
+        httpx.post(server.v1 + CHAT, content=chunks(), headers={"content-type": "application/json"}), 413
+    )
 
 
 def test_unknown_route_and_method(server: Server) -> None:
@@ -118,6 +125,7 @@ def test_unknown_route_and_method(server: Server) -> None:
 def test_openai_client_raises_bad_request(server: Server) -> None:
     client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="synthetic", messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=10_000)
+        client.chat.completions.create(
+            model="synthetic", messages=[{"role": "user", "content": "x"}], max_tokens=10_000
+        )
     assert info.value.status_code == 400

@@ -21,7 +21,7 @@ def test_lifetime_cap_cuts_streams_and_whole_responses() -> None:
         assert resp.status_code == 200
         events = [e for e in resp.text.split("\n\n") if e]
         assert events[-1] == "data: [DONE]"
-        error = json.loads(events[-2][len("data: "):])["error"]
+        error = json.loads(events[-2][len("data: ") :])["error"]
         assert error["type"] == "timeout_error"
         whole = client.post("/v1/chat/completions", json=body)
         assert whole.status_code == 504 and whole.json()["error"]["type"] == "timeout_error"
@@ -41,7 +41,13 @@ def test_readyz_is_503_when_the_driver_is_not_ready() -> None:
 
 
 def test_settings_from_env() -> None:
-    s = Settings.from_env({"SLUICE_PORT": "9000", "SLUICE_DRIVER": "synthetic", "SLUICE_ADMIN_KEY": "secret",
-                           "SLUICE_MAX_BODY_BYTES": "10"})
+    s = Settings.from_env(
+        {
+            "SLUICE_PORT": "9000",
+            "SLUICE_DRIVER": "synthetic",
+            "SLUICE_ADMIN_KEY": "secret",
+            "SLUICE_MAX_BODY_BYTES": "10",
+        }
+    )
     assert (s.port, s.driver, s.max_body_bytes, s.host) == (9000, "synthetic", 10, "127.0.0.1")
     assert "secret" not in repr(s)

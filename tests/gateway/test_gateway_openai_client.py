@@ -6,10 +6,13 @@ import asyncio
 
 import openai
 import pytest
+from gateway_server import Server
+from openai.types.chat import ChatCompletionMessageParam
 
-from tests.gateway.conftest import Server
-
-MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me a story"}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "tell me a story"},
+]
 # Synthetic chat template: BOS + per message (role + words + EOT) + assistant marker.
 PROMPT_TOKENS = 1 + (1 + 2 + 1) + (1 + 4 + 1) + 1
 
@@ -20,7 +23,7 @@ def client(server: Server) -> openai.OpenAI:
 
 
 def test_chat_completion(client: openai.OpenAI) -> None:
-    resp = client.chat.completions.create(model="synthetic", messages=MESSAGES, max_tokens=7)  # type: ignore[arg-type]
+    resp = client.chat.completions.create(model="synthetic", messages=MESSAGES, max_tokens=7)
     assert resp.object == "chat.completion"
     assert resp.id.startswith("chatcmpl-") and len(resp.id) == len("chatcmpl-") + 32
     choice = resp.choices[0]
@@ -29,14 +32,22 @@ def test_chat_completion(client: openai.OpenAI) -> None:
     assert len((choice.message.content or "").split()) == 7
     assert resp.usage is not None
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (
-        PROMPT_TOKENS, 7, PROMPT_TOKENS + 7)
+        PROMPT_TOKENS,
+        7,
+        PROMPT_TOKENS + 7,
+    )
 
 
 def test_model_may_be_omitted_and_content_parts_accepted(server: Server) -> None:
     import httpx
 
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a b"}, {"type": "text", "text": "c"}]}],
-            "max_completion_tokens": 3, "unknown_field": {"ignored": True}}
+    body = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a b"}, {"type": "text", "text": "c"}]}
+        ],
+        "max_completion_tokens": 3,
+        "unknown_field": {"ignored": True},
+    }
     resp = httpx.post(f"{server.v1}/chat/completions", json=body)
     assert resp.status_code == 200, resp.text
     assert resp.json()["model"] == "synthetic"
@@ -57,12 +68,17 @@ def test_completion_with_token_ids_and_batch(client: openai.OpenAI) -> None:
     assert resp.usage is not None and resp.usage.prompt_tokens == 4
     batch = client.completions.create(model="synthetic", prompt=["a", "b c"], max_tokens=2, n=2)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
-    assert batch.usage is not None and batch.usage.prompt_tokens == 2 + 3 and batch.usage.completion_tokens == 8
+    assert (
+        batch.usage is not None and batch.usage.prompt_tokens == 2 + 3 and batch.usage.completion_tokens == 8
+    )
 
 
 def test_streaming_chat_with_usage(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
-        model="synthetic", messages=MESSAGES, max_tokens=12, stream=True,  # type: ignore[arg-type]
+        model="synthetic",
+        messages=MESSAGES,
+        max_tokens=12,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -87,21 +103,27 @@ def test_stop_strings_cut_output_streamed_or_not(client: openai.OpenAI) -> None:
     full = client.completions.create(model="synthetic", prompt="p", max_tokens=20, seed=7).choices[0].text
     words = full.split()
     single = words[4]
-    spanning = full[full.index(words[6]) + 2: full.index(words[7]) + 2]  # crosses a space
+    spanning = full[full.index(words[6]) + 2 : full.index(words[7]) + 2]  # crosses a space
     for stop in (single, spanning):
         cut = full[: full.index(stop)]
-        resp = client.completions.create(model="synthetic", prompt="p", max_tokens=20, seed=7, stop=[stop, "zzzzz"])
+        resp = client.completions.create(
+            model="synthetic", prompt="p", max_tokens=20, seed=7, stop=[stop, "zzzzz"]
+        )
         assert (resp.choices[0].text, resp.choices[0].finish_reason) == (cut, "stop")
-        chunks = list(client.completions.create(model="synthetic", prompt="p", max_tokens=20, seed=7, stop=stop,
-                                                stream=True))
+        chunks = list(
+            client.completions.create(
+                model="synthetic", prompt="p", max_tokens=20, seed=7, stop=stop, stream=True
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks) == cut
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_seed_determinism_and_n(client: openai.OpenAI) -> None:
     def ask(seed: int | None, n: int = 1, temperature: float = 1.0) -> list[str]:
-        resp = client.chat.completions.create(model="synthetic", messages=MESSAGES, max_tokens=8,  # type: ignore[arg-type]
-                                              seed=seed, n=n, temperature=temperature)
+        resp = client.chat.completions.create(
+            model="synthetic", messages=MESSAGES, max_tokens=8, seed=seed, n=n, temperature=temperature
+        )
         return [c.message.content or "" for c in sorted(resp.choices, key=lambda c: c.index)]
 
     assert ask(1) == ask(1)
@@ -114,8 +136,16 @@ def test_seed_determinism_and_n(client: openai.OpenAI) -> None:
 
 
 def test_n2_streaming_indexes_both_choices(client: openai.OpenAI) -> None:
-    chunks = list(client.chat.completions.create(model="synthetic", messages=MESSAGES, max_tokens=5, n=2,  # type: ignore[arg-type]
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="synthetic",
+            messages=MESSAGES,
+            max_tokens=5,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     texts = {0: "", 1: ""}
     for c in chunks:
         for ch in c.choices:
@@ -125,8 +155,9 @@ def test_n2_streaming_indexes_both_choices(client: openai.OpenAI) -> None:
 
 
 def test_chat_logprobs_shape(client: openai.OpenAI) -> None:
-    resp = client.chat.completions.create(model="synthetic", messages=MESSAGES, max_tokens=4,  # type: ignore[arg-type]
-                                          logprobs=True, top_logprobs=3)
+    resp = client.chat.completions.create(
+        model="synthetic", messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=3
+    )
     content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 4
     assert " ".join(t.token for t in content) == resp.choices[0].message.content
@@ -155,10 +186,11 @@ def test_models_list(client: openai.OpenAI) -> None:
 def test_async_client_streaming(server: Server) -> None:
     async def main() -> list[str]:
         client = openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0)
-        stream = await client.chat.completions.create(model="synthetic", messages=MESSAGES, max_tokens=4,  # type: ignore[arg-type]
-                                                      stream=True)
+        stream = await client.chat.completions.create(
+            model="synthetic", messages=MESSAGES, max_tokens=4, stream=True
+        )
         parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
-        full = await client.chat.completions.create(model="synthetic", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+        full = await client.chat.completions.create(model="synthetic", messages=MESSAGES, max_tokens=4)
         await client.close()
         return ["".join(parts), full.choices[0].message.content or ""]
 
