@@ -99,11 +99,11 @@ def test_run_benchmark_importable_counts_failures(slow_server: Server) -> None:
         endpoint="completions",
         num_prompts=8,
         input_len=4,
-        output_len=3,
+        output_len=10,
         progress=False,
     )
     result = asyncio.run(run_benchmark(config))
     # All 8 at once against 2 running + 2 waiting slots: 4 are shed with 503.
     assert (result.completed, result.failed) == (4, 4)
     assert any("503" in e for e in result.errors)
-    assert result.total_output_tokens == 4 * 3 and result.goodput is None
+    assert result.total_output_tokens == 4 * 10 and result.goodput is None

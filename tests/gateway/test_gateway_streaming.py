@@ -9,6 +9,7 @@ import time
 
 import httpx
 import openai
+import pytest
 from gateway_server import Server
 
 
@@ -42,13 +43,14 @@ def test_sse_framing_is_byte_exact(server: Server) -> None:
     assert resp.content == expected.encode()
 
 
-def test_client_disconnect_aborts_the_generation(slow_server: Server) -> None:
-    body = {"model": "synthetic", "prompt": "long one", "max_tokens": 400, "stream": True}
+@pytest.mark.parametrize("n", [1, 2])  # n=2 runs pump tasks that only an explicit close stops
+def test_client_disconnect_aborts_the_generation(slow_server: Server, n: int) -> None:
+    body = {"model": "synthetic", "prompt": "long one", "max_tokens": 400, "stream": True, "n": n}
     with httpx.stream("POST", slow_server.v1 + "/completions", json=body, timeout=10) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         assert next(lines).startswith("data: ")
-        assert slow_server.stats()["running"] == 1
+        assert slow_server.stats()["running"] == n
     # 400 tokens at 20/s would run for 20 s; a prompt abort frees the slot within a moment.
     started = time.monotonic()
     stats = slow_server.wait_idle(timeout_s=3)
