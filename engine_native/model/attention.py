@@ -39,6 +39,7 @@ class AttentionPlan:
     decode_token_index: torch.Tensor | None  # [B] indices into T; None when no decodes
     decode_block_tables: torch.Tensor | None  # [B, nb_max]
     decode_mask: torch.Tensor | None  # [B, 1, 1, nb_max * block_size] bool, True = attend
+    decode_bias: torch.Tensor | None  # [B, 1, L]: the same mask as an additive fp32 bias (0 / -inf)
     decodes_are_whole_batch: bool  # the step is pure decode in order: no scatter needed
     prefills: list[PrefillChunk]
 
@@ -61,7 +62,7 @@ class AttentionPlan:
             prefills.append(PrefillChunk(start, qlen, ctx, batch.block_tables[i, :nblocks], mask))
 
         if not decode_seqs:
-            return cls(batch.num_tokens, bs, None, None, None, False, prefills)
+            return cls(batch.num_tokens, bs, None, None, None, None, False, prefills)
         ctx_lens = torch.tensor([batch.context_lens[i] for i in decode_seqs], dtype=torch.long)
         nb_max = -(-int(ctx_lens.max()) // bs)
         seq_index = torch.tensor(decode_seqs, dtype=torch.long)
@@ -69,10 +70,17 @@ class AttentionPlan:
         key_pos = torch.arange(nb_max * bs)
         mask = (key_pos.unsqueeze(0) < ctx_lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, -1)
         token_index = torch.tensor([batch.query_starts[i] for i in decode_seqs], dtype=torch.long)
-        whole = not prefills and len(decode_seqs) == batch.num_tokens and bool(
-            (token_index == torch.arange(batch.num_tokens)).all()
+        whole = (
+            not prefills
+            and len(decode_seqs) == batch.num_tokens
+            and bool((token_index == torch.arange(batch.num_tokens)).all())
         )
-        return cls(batch.num_tokens, bs, token_index, tables, mask, whole, prefills)
+        bias = (
+            torch.zeros(mask.shape, dtype=torch.float32)
+            .masked_fill_(~mask, float("-inf"))
+            .view(len(decode_seqs), 1, -1)
+        )
+        return cls(batch.num_tokens, bs, token_index, tables.contiguous(), mask, bias, whole, prefills)
 
 
 def write_kv(
@@ -88,7 +96,7 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
 ) -> torch.Tensor:
     """q [T, H, D] -> attention output [T, H, D] over each sequence's cached K/V."""
-    _, block_size, hkv, d = k_cache.shape
+    _, _, hkv, d = k_cache.shape
     if plan.decodes_are_whole_batch:
         return _decode_attention(q, k_cache, v_cache, plan)
     out = torch.empty_like(q)
@@ -114,14 +122,25 @@ def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
 ) -> torch.Tensor:
     """q [B, H, D], one query per sequence -> [B, H, D], one batched kernel for all of them."""
-    assert plan.decode_block_tables is not None and plan.decode_mask is not None
+    assert plan.decode_block_tables is not None and plan.decode_bias is not None
     _, _, hkv, d = k_cache.shape
     b, h, _ = q.shape
-    tables = plan.decode_block_tables
-    # Gather whole blocks (contiguous bs*Hkv*D runs), not single slots: far fewer index ops.
-    k = k_cache[tables].view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
-    v = v_cache[tables].view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=plan.decode_mask, enable_gqa=True
-    )  # [B, H, 1, D]
-    return o.view(b, h, d)
+    # index_select of whole blocks (contiguous bs*Hkv*D runs) is ~2x faster than advanced indexing.
+    flat = plan.decode_block_tables.view(-1)
+    k = k_cache.index_select(0, flat).view(b, -1, hkv, d)
+    v = v_cache.index_select(0, flat).view(b, -1, hkv, d)
+    k = k.to(q.dtype).view(b, -1, hkv * d)
+    v = v.to(q.dtype).view(b, -1, hkv * d)
+    # Grouped-query attention as two plain bmm's over the gathered [B, L, Hkv*D] K/V with no
+    # transpose copy: q is spread into a block-diagonal [H, Hkv*D] matrix (head h only sees
+    # the D columns of its KV head). It wastes Hkv-fold FLOPs on tiny matrices, which is far
+    # cheaper on CPU than materialising K^T or repeating K/V per query head.
+    g = h // hkv
+    q_bd = q.new_zeros(b, hkv, g, hkv, d)
+    q_bd.diagonal(dim1=1, dim2=3).copy_(q.view(b, hkv, g, d).permute(0, 2, 3, 1))
+    # [B, H, L]: softmax over the last, contiguous dim is ~10x faster than over a strided one.
+    scores = torch.bmm(q_bd.view(b, h, hkv * d), k.transpose(1, 2))
+    scores = scores.float().mul_(d**-0.5).add_(plan.decode_bias)
+    probs = scores.softmax(dim=-1).to(q.dtype)
+    out = torch.bmm(probs, v)  # [B, H, Hkv*D]; head h wants the block of its own KV head
+    return out.view(b, hkv, g, hkv, d).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(b, h, d)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any
-
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +32,11 @@ SUPPORTED_TENSOR_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
 # GGUF arch -> our ModelConfig.architecture, and whether the converter permuted q/k.
-ARCHITECTURES: dict[str, tuple[str, bool]] = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False)}
+ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "llama": ("llama", True),
+    "mistral": ("llama", True),
+    "qwen2": ("qwen2", False),
+}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -109,7 +112,9 @@ def config_from_metadata(meta: dict[str, Any], name: str) -> ModelConfig:
 
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
-    head_dim = int(meta.get(f"{a}.attention.key_length", meta.get(f"{a}.rope.dimension_count", hidden // heads)))
+    head_dim = int(
+        meta.get(f"{a}.attention.key_length", meta.get(f"{a}.rope.dimension_count", hidden // heads))
+    )
     vocab = meta.get(f"{a}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
     rope_scaling: dict[str, float | str] | None = None
     scaling_type = meta.get(f"{a}.rope.scaling.type")
@@ -140,7 +145,10 @@ def _llama3_from_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray, name: str)
     # Llama 3.1+ GGUFs store the llama3 scaling as a per-frequency divisor tensor instead of
     # metadata. Recognise Meta's standard parameters; anything else we cannot reproduce.
     candidate: dict[str, float | str] = {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
     base = inverse_frequencies(cfg.head_dim, cfg.rope_theta, None)
@@ -155,7 +163,7 @@ def _llama3_from_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray, name: str)
 def load_gguf(path: str, dtype: torch.dtype, progress: bool = True) -> LoadedModel:
     try:
         reader = GGUFReader(path)
-    except Exception as exc:  # noqa: BLE001 -- any parse failure means "not a GGUF we can read"
+    except Exception as exc:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
     meta = read_metadata(reader)
     cfg = config_from_metadata(meta, path)
@@ -163,8 +171,13 @@ def load_gguf(path: str, dtype: torch.dtype, progress: bool = True) -> LoadedMod
 
     weights: dict[str, torch.Tensor] = {}
     rope_freqs: np.ndarray | None = None
-    for t in tqdm(reader.tensors, desc=f"loading {os.path.basename(path)}", unit="tensor",
-                  file=sys.stderr, disable=not progress):
+    for t in tqdm(
+        reader.tensors,
+        desc=f"loading {os.path.basename(path)}",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not progress,
+    ):
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise ModelLoadError(f"tensor {t.name} has unsupported type {t.tensor_type.name} in {path}")
         array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -194,4 +207,4 @@ def load_gguf(path: str, dtype: torch.dtype, progress: bool = True) -> LoadedMod
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, dtype=dtype, source=path)
 
 
-__all__ = ["load_gguf", "read_metadata", "config_from_metadata", "permute_qk", "unpermute_qk"]
+__all__ = ["config_from_metadata", "load_gguf", "permute_qk", "read_metadata", "unpermute_qk"]

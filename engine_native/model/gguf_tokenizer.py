@@ -31,9 +31,13 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 # llama.cpp splits every digit on its own for these (StarCoder-style vocabularies), then GPT-2's regex.
 _DIGIT_SPLIT = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
@@ -42,7 +46,11 @@ _DIGIT_SPLIT = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exao
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -61,7 +69,9 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> TextTokenizer:
         raise ModelLoadError("GGUF has no tokenizer.ggml.tokens")
     types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     if kind == "gpt2":
-        backend = _byte_level_bpe(tokens, list(meta.get("tokenizer.ggml.merges") or []), meta.get("tokenizer.ggml.pre"))
+        backend = _byte_level_bpe(
+            tokens, list(meta.get("tokenizer.ggml.merges") or []), meta.get("tokenizer.ggml.pre")
+        )
         add_bos_default = False
     elif kind == "llama":
         backend = _sentencepiece_bpe(tokens, list(meta.get("tokenizer.ggml.scores") or []), types)
@@ -72,7 +82,9 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> TextTokenizer:
     _add_special(backend, tokens, types, byte_level=kind == "gpt2")
 
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos_ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    eos_ids = [
+        int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta
+    ]
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
     return TextTokenizer(
         backend,
@@ -98,7 +110,9 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Ba
             [pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"), byte_level]
         )
     elif pre in _DIGIT_SPLIT:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     else:  # "gpt2", "default" and unknown names: GPT-2's own regex
         backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
@@ -140,6 +154,10 @@ def _add_special(backend: BackendTokenizer, tokens: list[str], types: list[int],
         if ty == _CONTROL and (spelled is None or set(t) <= spelled)
     ]
     backend.add_special_tokens(control)
-    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED]
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, ty in zip(tokens, types, strict=True)
+        if ty == _USER_DEFINED
+    ]
     if user:
         backend.add_tokens(user)

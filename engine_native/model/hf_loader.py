@@ -46,7 +46,9 @@ def config_from_hf(cfg: dict[str, Any], name: str) -> ModelConfig:
     archs = cfg.get("architectures") or [cfg.get("model_type")]
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
-        raise ModelLoadError(f"unsupported architecture {archs} in {name} (supported: {sorted(ARCHITECTURES)})")
+        raise ModelLoadError(
+            f"unsupported architecture {archs} in {name} (supported: {sorted(ARCHITECTURES)})"
+        )
     # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters; older files have both.
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -89,13 +91,17 @@ def load_hf_folder(path: str, dtype: torch.dtype, progress: bool = True) -> Load
         raise ModelLoadError(f"{path} has config.json but no *.safetensors weights")
     weights: dict[str, torch.Tensor] = {}
     handles = [safe_open(f, framework="pt") for f in files]
-    names = [(h, k) for h in handles for k in h.keys()]
-    for handle, key in tqdm(names, desc=f"loading {cfg.name}", unit="tensor", file=sys.stderr, disable=not progress):
+    names = [(h, k) for h in handles for k in h.keys()]  # noqa: SIM118 -- safe_open is not a dict
+    for handle, key in tqdm(
+        names, desc=f"loading {cfg.name}", unit="tensor", file=sys.stderr, disable=not progress
+    ):
         weights[key] = handle.get_tensor(key).to(dtype)
     if "lm_head.weight" not in weights and not cfg.tie_word_embeddings:
         raise ModelLoadError(f"{path}: no lm_head.weight and tie_word_embeddings is false")
     model = LlamaForCausalLM(cfg, weights, dtype)
-    return LoadedModel(model=model, tokenizer=load_hf_tokenizer(path, raw), config=cfg, dtype=dtype, source=path)
+    return LoadedModel(
+        model=model, tokenizer=load_hf_tokenizer(path, raw), config=cfg, dtype=dtype, source=path
+    )
 
 
 def _token_content(value: Any) -> str | None:
@@ -110,7 +116,7 @@ def load_hf_tokenizer(path: str, model_config: dict[str, Any] | None = None) -> 
         return None
     try:
         backend = BackendTokenizer.from_file(tok_path)
-    except Exception as exc:  # noqa: BLE001 -- the Rust parser raises plain Exception
+    except Exception as exc:
         raise ModelLoadError(f"cannot parse {tok_path}: {exc}") from exc
     tcfg_path = os.path.join(path, "tokenizer_config.json")
     tcfg = _read_json(tcfg_path) if os.path.isfile(tcfg_path) else {}
@@ -123,8 +129,9 @@ def load_hf_tokenizer(path: str, model_config: dict[str, Any] | None = None) -> 
     if bos_id is None and model_config and isinstance(model_config.get("bos_token_id"), int):
         bos_id = model_config["bos_token_id"]
     eos_ids: list[int] = []
-    if eos and backend.token_to_id(eos) is not None:
-        eos_ids.append(backend.token_to_id(eos))
+    eos_id = backend.token_to_id(eos) if eos else None
+    if eos_id is not None:
+        eos_ids.append(eos_id)
     for source in (gen, model_config or {}):
         ids = source.get("eos_token_id")
         eos_ids.extend([ids] if isinstance(ids, int) else [i for i in ids or [] if isinstance(i, int)])
@@ -142,6 +149,11 @@ def load_hf_tokenizer(path: str, model_config: dict[str, Any] | None = None) -> 
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return TextTokenizer(
-        backend, bos_token_id=bos_id, eos_token_ids=eos_ids, add_bos_token=add_bos,
-        chat_template=template, bos_token=bos, eos_token=eos,
+        backend,
+        bos_token_id=bos_id,
+        eos_token_ids=eos_ids,
+        add_bos_token=add_bos,
+        chat_template=template,
+        bos_token=bos,
+        eos_token=eos,
     )

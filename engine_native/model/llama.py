@@ -30,15 +30,19 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
         self.config = config
-        w = lambda name: _take(weights, prefix + name)  # noqa: E731
+        w = lambda name: _take(weights, prefix + name)
         self.input_norm = _frozen(w("input_layernorm.weight"))
         self.qkv_weight = _frozen(
-            torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")])
+            torch.cat(
+                [w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]
+            )
         )
         self.qkv_bias: nn.Parameter | None = None
         if config.attention_bias:
             self.qkv_bias = _frozen(
-                torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
+                torch.cat(
+                    [w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")]
+                )
             )
         self.o_weight = _frozen(w("self_attn.o_proj.weight"))
         self.post_norm = _frozen(w("post_attention_layernorm.weight"))

@@ -13,9 +13,7 @@ import math
 import torch
 
 
-def inverse_frequencies(
-    head_dim: int, theta: float, scaling: dict[str, float | str] | None
-) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, float | str] | None) -> torch.Tensor:
     """Per-pair rotation frequencies [head_dim // 2], float64 for an exact table."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not scaling:

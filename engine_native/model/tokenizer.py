@@ -49,7 +49,9 @@ class TextTokenizer:
             if tid is not None and tid not in ids:
                 ids.append(tid)
         self.eos_token_ids: list[int] = ids
-        self.eos_token = eos_token if eos_token is not None else (self._token_or_none(ids[0]) if ids else None)
+        self.eos_token = (
+            eos_token if eos_token is not None else (self._token_or_none(ids[0]) if ids else None)
+        )
         self._template: jinja2.Template | None = None
 
     def _token_or_none(self, token_id: int | None) -> str | None:
@@ -57,9 +59,10 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            if not ids or ids[0] != self.bos_token_id:
-                ids.insert(0, self.bos_token_id)
+        bos = self.bos_token_id
+        # A chat template that writes BOS itself must not get a second one.
+        if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -72,16 +75,16 @@ class TextTokenizer:
             raise KeyError(f"token id {token_id} outside the vocabulary of {self.vocab_size}")
         return str(token)
 
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain completion prompt instead")
         for m in messages:
             if m.get("role") not in CHAT_ROLES:
-                raise ValueError(f"unsupported chat role {m.get('role')!r}; expected one of {sorted(CHAT_ROLES)}")
+                raise ValueError(
+                    f"unsupported chat role {m.get('role')!r}; expected one of {sorted(CHAT_ROLES)}"
+                )
             if not isinstance(m.get("content", ""), str):
-                raise ValueError("chat message content must be a string")
+                raise ValueError  # noqa: TRY004 -- a bad request, mapped to 400 like the role check("chat message content must be a string")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         try:
@@ -106,15 +109,25 @@ def _strftime_now(fmt: str) -> str:
 
 def _compile_template(source: str) -> jinja2.Template:
     # Same environment transformers renders chat templates in, so our text matches theirs.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = _tojson
-    helpers: dict[str, Callable[..., Any]] = {"raise_exception": _raise_exception, "strftime_now": _strftime_now}
+    helpers: dict[str, Callable[..., Any]] = {
+        "raise_exception": _raise_exception,
+        "strftime_now": _strftime_now,
+    }
     env.globals.update(helpers)
     return env.from_string(source)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     import json
 
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

@@ -71,7 +71,9 @@ def test_token_ids_equal_transformers(smol_ours: LoadedModel, smol_hf_tokenizer:
     tok = smol_ours.tokenizer
     assert tok is not None
     assert tok.encode(text) == smol_hf_tokenizer.encode(text)
-    assert tok.encode(text, add_special_tokens=False) == smol_hf_tokenizer.encode(text, add_special_tokens=False)
+    assert tok.encode(text, add_special_tokens=False) == smol_hf_tokenizer.encode(
+        text, add_special_tokens=False
+    )
     ids = tok.encode(text)
     assert tok.decode(ids, skip_special_tokens=False) == text
     assert tok.decode(ids) == smol_hf_tokenizer.decode(ids, skip_special_tokens=True)
@@ -91,8 +93,12 @@ def test_chat_template_renders_like_transformers(smol_ours: LoadedModel, smol_hf
     assert tok is not None
     for messages in (
         [{"role": "user", "content": "What is 2+2?"}],
-        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
-         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
+        [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"},
+        ],
     ):
         for gen in (True, False):
             ours = tok.apply_chat_template(messages, add_generation_prompt=gen)

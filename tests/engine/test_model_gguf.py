@@ -40,8 +40,16 @@ HF_TO_GGUF = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+_COMMON: dict = dict(  # noqa: C408
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -139,8 +147,12 @@ def test_gguf_logits_match_hf_with_the_same_weights(tmp_path: Path, arch: str, q
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     seqs = PagedSequences(ours.config, num_blocks=8, block_size=4, dtype=torch.float32)
-    logits = torch.cat([ours.model.forward(seqs.step([(0, ids[:9])]), seqs.cache),
-                        ours.model.forward(seqs.step([(0, ids[9:])]), seqs.cache)])
+    logits = torch.cat(
+        [
+            ours.model.forward(seqs.step([(0, ids[:9])]), seqs.cache),
+            ours.model.forward(seqs.step([(0, ids[9:])]), seqs.cache),
+        ]
+    )
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
 
 
@@ -171,7 +183,9 @@ def test_folder_without_config_is_a_load_error(tmp_path: Path) -> None:
 
 
 def test_unsupported_hf_architecture_is_a_load_error(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
         load_model(str(tmp_path))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -22,19 +23,33 @@ from engine_native.model.loader import load_model
 
 ATOL = 1e-4
 
-_COMMON = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+_COMMON: dict = dict(  # noqa: C408
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
 )
 VARIANTS = {
-    "llama": (HFLlama, LlamaConfig(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "llama": (
+        HFLlama,
+        LlamaConfig(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    ),
     "llama3_rope_tied": (
         HFLlama,
         LlamaConfig(
-            **_COMMON, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 32},
+            **_COMMON,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
         ),
     ),
     "qwen2": (HFQwen2, Qwen2Config(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
@@ -83,7 +98,7 @@ def test_chunked_prefill_then_decode_matches_hf(tmp_path: Path, variant: str) ->
     seqs = PagedSequences(ours.config, num_blocks=32, block_size=4, dtype=torch.float32, seed=3)
     # Chunk edges inside and on block boundaries, then single-token decodes.
     edges = [0, 7, 8, 21, 40, 41, 42, 43, 44, 45]
-    for a, b in zip(edges, edges[1:]):
+    for a, b in itertools.pairwise(edges):
         logits = ours.model.forward(seqs.step([(0, ids[a:b])]), seqs.cache)
         torch.testing.assert_close(logits, ref[a:b], atol=ATOL, rtol=0)
 
@@ -117,9 +132,8 @@ def test_mixed_batch_of_prefill_chunk_and_decodes(tmp_path: Path, variant: str) 
 
 
 def test_bfloat16_load_is_close_to_fp32(tmp_path: Path) -> None:
-    hf, ours = _save(tmp_path, "llama")
+    hf, _ = _save(tmp_path, "llama")
     ours16 = load_model(str(tmp_path), dtype=torch.bfloat16, progress=False)
-    assert ours16.model.forward is not None
     ids = _prompt(30, 4)
     seqs = PagedSequences(ours16.config, num_blocks=16, block_size=8, dtype=torch.bfloat16)
     logits = ours16.model.forward(seqs.step([(0, ids)]), seqs.cache)

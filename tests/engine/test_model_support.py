@@ -19,7 +19,9 @@ class PagedSequences:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0):
         self.block_size = block_size
-        self.cache = KVCache.allocate(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.cache = KVCache.allocate(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype
+        )
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[int, list[int]] = {}
