@@ -7,7 +7,7 @@ Pipeline per row, in this order (each stage runs only over the rows that need it
         ├─> repetition penalty (HF, over prompt + output) ─> presence/frequency penalty (OpenAI, over output)
         │
         ├─ greedy rows ─> argmax
-        └─ random rows ─> / temperature ─> top_k ─> top_p ─> min_p ─> softmax ─> exponential race
+        └─ random rows ─> / temperature ─> top_k ─> top_p ─> min_p ─> softmax ─> inverse-CDF draw
 
 Logprobs are taken from the model's raw distribution, before penalties,
 temperature and truncation (vLLM's default `raw_logprobs`). We chose that over
@@ -15,14 +15,21 @@ temperature and truncation (vLLM's default `raw_logprobs`). We chose that over
 alternatives are -inf and the numbers stop saying anything about the model;
 the raw numbers are also the same for greedy and sampled requests.
 
-Reproducibility: a seeded row draws its noise only from its own
-`torch.Generator` (exponential race: argmax(p / q), q ~ Exp(1), which samples
-exactly from p), and every other stage is row-wise, so a seeded request gets
+Reproducibility: a seeded row draws its one uniform per step only from its own
+`torch.Generator`, and every other stage is row-wise, so a seeded request gets
 the same tokens whatever else shares the batch and whatever row it is in.
+We draw by inverse CDF (cumsum + searchsorted) rather than an exponential race
+(argmax(p / q), q ~ Exp(1)): the race needs V random numbers per row per step,
+which on CPU cost more than the rest of the pipeline together.
+
+Cost: top-k and top-p never sort the whole vocabulary. They work on the
+`topk` candidates (top_k, or at most `TOP_P_CANDIDATES` for top-p) and fall back
+to a full sort only for a row whose candidates hold less than top_p of the mass.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -78,14 +85,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingInput]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
-        device = logits.device
         all_params = [row.params for row in rows]
 
         # Computed from the untouched logits, before any stage below makes its own copy.
         logprob_rows = [i for i, p in enumerate(all_params) if p.logprobs is not None]
-        raw_logprobs = (
-            torch.log_softmax(logits[_index(logprob_rows, device)], dim=-1) if logprob_rows else None
-        )
+        raw_logprobs = torch.log_softmax(_select(logits, logprob_rows)[0], dim=-1) if logprob_rows else None
 
         if all(p.greedy and not _has_penalties(p) for p in all_params):
             tokens = logits.argmax(dim=-1)  # the common fast path: one kernel for the whole batch
@@ -118,16 +122,26 @@ class Sampler:
                 scaled = logits / temperatures[:, None]
             else:
                 scaled = logits[_index(random, device)].div_(temperatures[:, None])
-            _apply_top_k(scaled, random_rows)
-            _apply_top_p(scaled, random_rows)
-            _apply_min_p(scaled, random_rows)
-            probs = torch.softmax(scaled, dim=-1)
-            tokens[_index(random, device)] = _exponential_race(probs, random_rows)
+            apply_top_k_top_p(scaled, random_rows)
+            apply_min_p(scaled, random_rows)
+            tokens[_index(random, device)] = _draw(torch.softmax(scaled, dim=-1), random_rows)
         return tokens
+
+
+TOP_P_CANDIDATES = 1024  # top-p looks for its cut among this many most likely tokens before sorting all V
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _select(tensor: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The given rows: a view of the whole tensor when that is all of them (no copy,
+    no write-back), else a copy plus the index to write it back through."""
+    if len(rows) == tensor.shape[0]:
+        return tensor, None
+    index = _index(rows, tensor.device)
+    return tensor[index], index
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingInput], penalised: list[int]) -> torch.Tensor:
@@ -171,75 +185,96 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingInput], penalised: 
     return logits.index_copy(0, index, sub)
 
 
-def _apply_top_k(scaled: torch.Tensor, rows: list[SamplingInput]) -> None:
-    """Keep each row's k largest logits (ties at the k-th value are all kept). In place."""
-    selected = [j for j, r in enumerate(rows) if _top_k_enabled(r.params)]
-    if not selected:
-        return
-    vocab_size = scaled.shape[1]
-    ks = [min(rows[j].params.top_k, vocab_size) for j in selected]
-    index = _index(selected, scaled.device)
-    sub = scaled[index]
-    # topk of the largest k asked for is far cheaper than a full sort of V.
-    top_values = sub.topk(max(ks), dim=-1).values
-    kth = top_values.gather(1, torch.tensor(ks, device=scaled.device)[:, None] - 1)
-    scaled[index] = sub.masked_fill_(sub < kth, float("-inf"))
-
-
-def _apply_top_p(scaled: torch.Tensor, rows: list[SamplingInput]) -> None:
-    """Keep the smallest set of tokens whose probability reaches top_p (always the top one). In place."""
-    selected = [j for j, r in enumerate(rows) if r.params.top_p < 1.0]
+def apply_top_k_top_p(scaled: torch.Tensor, rows: list[SamplingInput]) -> None:
+    """Keep each row's top_k most likely tokens, then the fewest of those whose
+    (renormalised) probability reaches top_p; always at least the top token.
+    Ties at the cut are all kept. In place."""
+    selected = [j for j, r in enumerate(rows) if _top_k_enabled(r.params) or r.params.top_p < 1.0]
     if not selected:
         return
     device = scaled.device
-    index = _index(selected, device)
-    sub = scaled[index]
-    sorted_logits, order = sub.sort(dim=-1, descending=False)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    top_p = torch.tensor([rows[j].params.top_p for j in selected], device=device)[:, None]
-    # Ascending order: drop the tail whose total mass stays within 1 - top_p; the last (top) token
-    # always survives, so top_p -> 0 degenerates to argmax instead of an empty set.
-    drop_sorted = cumulative <= 1 - top_p
-    drop_sorted[:, -1] = False
-    drop = drop_sorted.scatter(1, order, drop_sorted)
-    scaled[index] = sub.masked_fill_(drop, float("-inf"))
+    vocab_size = scaled.shape[1]
+    params = [rows[j].params for j in selected]
+    ks = [min(p.top_k, vocab_size) if _top_k_enabled(p) else vocab_size for p in params]
+    # A top-k row needs all k candidates (top-p renormalises over them); a top-p-only row
+    # hopes its cut lies within the first TOP_P_CANDIDATES.
+    width = max(k if k < vocab_size else min(vocab_size, TOP_P_CANDIDATES) for k in ks)
+    sub, write_back = _select(scaled, selected)
+
+    candidates = sub.topk(width, dim=-1).values  # sorted, most likely first
+    k = torch.tensor(ks, device=device)[:, None]
+    keep = torch.arange(width, device=device)[None, :] < k
+    need_full_sort: list[int] = []
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+        # The top-p mass is measured after top-k: over the candidates for a top-k row,
+        # over the whole row for the others.
+        in_candidates = candidates.masked_fill(~keep, float("-inf"))
+        log_total = torch.where(
+            k <= width,
+            torch.logsumexp(in_candidates, dim=-1, keepdim=True),
+            torch.logsumexp(sub, dim=-1, keepdim=True),
+        )
+        probs = (in_candidates - log_total).exp()
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep &= mass_before < top_p
+        # All candidates kept yet short of top_p: the cut lies beyond them (top-p-only rows).
+        short = (k > width) & (probs.sum(dim=-1, keepdim=True) < top_p)
+        need_full_sort = short.squeeze(1).nonzero().squeeze(1).tolist()
+    last_kept = keep.sum(dim=-1, keepdim=True).clamp_(min=1) - 1
+    cutoff = candidates.gather(1, last_kept)
+    for j in need_full_sort:
+        cutoff[j] = _top_p_cutoff_full_sort(sub[j], params[j].top_p)
+    sub.masked_fill_(sub < cutoff, float("-inf"))
+    if write_back is not None:
+        scaled[write_back] = sub
 
 
-def _apply_min_p(scaled: torch.Tensor, rows: list[SamplingInput]) -> None:
-    """Drop tokens whose probability is below min_p times the row's top probability. In place."""
+def _top_p_cutoff_full_sort(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The smallest logit top-p keeps in `row`, from a sort of the whole row (the rare case)."""
+    ordered = row.sort(descending=True).values
+    probs = ordered.softmax(dim=-1)
+    keep = (probs.cumsum(dim=-1) - probs) < top_p
+    return ordered[keep.sum().clamp(min=1) - 1]
+
+
+def apply_min_p(scaled: torch.Tensor, rows: list[SamplingInput]) -> None:
+    """Drop tokens whose probability is below min_p times the row's top probability. In place.
+
+    p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p): no softmax needed, and
+    the earlier truncation does not change the answer (it keeps the top token).
+    """
     selected = [j for j, r in enumerate(rows) if r.params.min_p > 0.0]
     if not selected:
         return
     device = scaled.device
-    index = _index(selected, device)
-    sub = scaled[index]
-    probs = sub.softmax(dim=-1)
-    min_p = torch.tensor([rows[j].params.min_p for j in selected], device=device)[:, None]
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p
-    scaled[index] = sub.masked_fill_(probs < threshold, float("-inf"))
+    sub, write_back = _select(scaled, selected)
+    log_min_p = torch.tensor([math.log(rows[j].params.min_p) for j in selected], device=device)[:, None]
+    threshold = sub.amax(dim=-1, keepdim=True) + log_min_p
+    sub.masked_fill_(sub < threshold, float("-inf"))
+    if write_back is not None:
+        scaled[write_back] = sub
 
 
-def _exponential_race(probs: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
-    """argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with probability p_i.
-
-    Seeded rows draw q from their own generator, one row at a time, so the draw
-    depends on nothing but that request's seed and step; unseeded rows share one
-    draw from the global RNG.
-    """
-    noise = torch.empty_like(probs)
+def _draw(probs: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
+    """One token per row by inverse CDF: the first token whose cumulative probability
+    exceeds u * total, u ~ U[0, 1). Seeded rows draw u from their own generator."""
+    device = probs.device
+    uniforms = torch.empty(len(rows), 1, device=device)
     unseeded = [j for j, r in enumerate(rows) if r.generator is None]
-    if len(unseeded) == len(rows):
-        noise.exponential_()
-    else:
-        for j, row in enumerate(rows):
-            if row.generator is not None:
-                noise[j].exponential_(generator=row.generator)
-        if unseeded:
-            index = _index(unseeded, probs.device)
-            noise[index] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
-    # q == 0 has probability ~0 but would turn 0/0 into NaN for filtered tokens.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+    if unseeded:
+        uniforms[_index(unseeded, device)] = torch.rand(len(unseeded), 1, device=device)
+    for j, row in enumerate(rows):
+        if row.generator is not None:
+            uniforms[j] = torch.rand(1, generator=row.generator, device=device)
+    cdf = probs.cumsum(dim=-1)
+    tokens = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
+    # Rounding can land u * total on the very end of the CDF, past the last token that
+    # has any probability; such a row takes its most likely token instead.
+    impossible = probs.gather(1, tokens) == 0
+    if impossible.any():
+        tokens = torch.where(impossible, probs.argmax(dim=-1, keepdim=True), tokens)
+    return tokens.squeeze(1)
 
 
 def _fill_logprobs(

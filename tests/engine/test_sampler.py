@@ -8,7 +8,15 @@ import msgspec
 import pytest
 import torch
 
-from engine_native.sampler import Sampler, SamplingInput, apply_penalties, make_generator
+from engine_native.sampler import (
+    TOP_P_CANDIDATES,
+    Sampler,
+    SamplingInput,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    make_generator,
+)
 from engine_native.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -175,6 +183,49 @@ def test_top_p_renormalises_over_the_kept_set() -> None:
     freqs = _frequencies(SamplingParams(top_p=0.5, seed=8), LOG_PROBS, 3000)
     counts = [round(f * 3000) for f in freqs]
     assert _chi_square(counts[2:], [0.3 / 0.7, 0.4 / 0.7]) < 25
+
+
+def _kept_by_sorting(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """Reference top-k then top-p: sort everything, walk down the list."""
+    order = row.argsort(descending=True).tolist()
+    if top_k > 0:
+        order = order[:top_k]
+    probs = torch.softmax(row[order], dim=-1).tolist()
+    kept, mass = [], 0.0
+    for token, p in zip(order, probs, strict=True):
+        if top_p < 1.0 and mass >= top_p:
+            break
+        kept.append(token)
+        mass += p
+    return set(kept)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "scale"),
+    [(50, 3.0), (5000, 3.0), (5000, 0.05)],  # the flat one forces the full-sort fallback
+    ids=["small", "peaky", "flat"],
+)
+def test_top_k_top_p_matches_a_full_sort(vocab: int, scale: float) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    settings = [(0, 0.9), (10, 1.0), (10, 0.5), (0, 0.3), (2000, 0.95), (0, 1.0), (7000, 0.99), (1, 0.9)]
+    logits = torch.randn(len(settings), vocab, generator=generator, dtype=torch.float64).float() * scale
+    rows = [_row(SamplingParams(top_k=k, top_p=p)) for k, p in settings]
+    if scale < 1:
+        assert vocab > TOP_P_CANDIDATES  # the fallback really is exercised
+    truncated = logits.clone()
+    apply_top_k_top_p(truncated, rows)
+    for i, (k, p) in enumerate(settings):
+        kept = set(torch.isfinite(truncated[i]).nonzero().squeeze(1).tolist())
+        assert kept == _kept_by_sorting(logits[i], k, p), (k, p)
+        assert torch.equal(truncated[i][list(kept)], logits[i][list(kept)])
+
+
+def test_min_p_keeps_probabilities_above_a_fraction_of_the_top() -> None:
+    logits = torch.tensor([[0.0, -1.0, -2.0, -3.0], [5.0, 5.0, 4.0, 0.0]])
+    rows = [_row(SamplingParams(min_p=0.3)), _row(SamplingParams(min_p=0.5))]
+    apply_min_p(logits, rows)
+    # exp(-1) = 0.37 >= 0.3 kept, exp(-2) = 0.14 dropped; exp(-1) = 0.37 < 0.5 dropped
+    assert torch.isfinite(logits).tolist() == [[True, True, False, False], [True, True, False, False]]
 
 
 def test_penalties_exact_numbers() -> None:
