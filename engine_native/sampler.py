@@ -151,38 +151,44 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingInput], penalised: 
     divided by the penalty if positive, multiplied if negative.
     presence/frequency (OpenAI): logit -= presence * [count > 0] + frequency * count,
     counting output tokens only.
+
+    Both touch only the tokens a row has seen, so they work on those (row, token)
+    positions of the flattened tensor, not on every [S, V] entry.
     """
     device = logits.device
     vocab_size = logits.shape[1]
-    params = [rows[i].params for i in penalised]
-    index = _index(penalised, device)
-    sub = logits[index]  # a copy
+    out = logits.clone()  # the caller's tensor stays as the model produced it
+    flat = out.view(-1)
 
-    # Pad with an extra column (id == vocab_size) so ragged histories fit one scatter.
-    def _counts(histories: list[list[int]]) -> torch.Tensor:
-        width = max((len(h) for h in histories), default=0)
-        padded = torch.full((len(histories), max(width, 1)), vocab_size, dtype=torch.long)
-        for j, history in enumerate(histories):
-            if history:
-                padded[j, : len(history)] = torch.tensor(history, dtype=torch.long)
-        counts = torch.zeros(len(histories), vocab_size + 1, dtype=sub.dtype, device=device)
-        counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, dtype=sub.dtype, device=device))
-        return counts[:, :vocab_size]
+    def _positions(histories: dict[int, list[int]]) -> torch.Tensor:
+        parts = [torch.tensor(h, dtype=torch.long) + row * vocab_size for row, h in histories.items() if h]
+        return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.long, device=device)
 
-    output_counts = _counts([rows[i].output_token_ids for i in penalised])
-    if any(p.repetition_penalty != 1.0 for p in params):
-        prompt_counts = _counts([rows[i].prompt_token_ids for i in penalised])
-        seen = (prompt_counts + output_counts) > 0
-        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        sub = sub - presence * (output_counts > 0) - frequency * output_counts
+    def _per_row(values: dict[int, float], default: float) -> torch.Tensor:
+        table = torch.full((logits.shape[0],), default, device=device)
+        table[_index(list(values), device)] = torch.tensor(list(values.values()), device=device)
+        return table
 
-    if len(penalised) == logits.shape[0]:
-        return sub
-    return logits.index_copy(0, index, sub)
+    repetition = {i: rows[i].params.repetition_penalty for i in penalised}
+    repetition = {i: p for i, p in repetition.items() if p != 1.0}
+    if repetition:
+        seen = _positions(
+            {i: rows[i].prompt_token_ids + rows[i].output_token_ids for i in repetition}
+        ).unique()
+        penalty = _per_row(repetition, 1.0)[seen // vocab_size]
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
+
+    additive = [i for i in penalised if rows[i].params.presence_penalty or rows[i].params.frequency_penalty]
+    if additive:
+        generated, counts = _positions({i: rows[i].output_token_ids for i in additive}).unique(
+            return_counts=True
+        )
+        owner = generated // vocab_size
+        presence = _per_row({i: rows[i].params.presence_penalty for i in additive}, 0.0)[owner]
+        frequency = _per_row({i: rows[i].params.frequency_penalty for i in additive}, 0.0)[owner]
+        flat[generated] -= presence + frequency * counts
+    return out
 
 
 def apply_top_k_top_p(scaled: torch.Tensor, rows: list[SamplingInput]) -> None:

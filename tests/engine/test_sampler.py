@@ -250,6 +250,34 @@ def test_penalties_only_touch_their_own_rows() -> None:
     assert penalised.tolist() == [[1.0, 2.0], [1.0, 0.0], [0.25, 2.0]]
 
 
+def test_penalties_match_a_dense_reference() -> None:
+    generator = torch.Generator().manual_seed(9)
+    vocab = 50
+    logits = torch.randn(6, vocab, generator=generator)
+    rows = []
+    for i in range(6):
+        prompt = torch.randint(0, vocab, (30,), generator=generator).tolist()
+        output = torch.randint(0, vocab, (i * 7,), generator=generator).tolist()
+        params = SamplingParams(
+            repetition_penalty=[1.0, 1.3, 0.8][i % 3],
+            presence_penalty=[0.0, 0.5, -0.4][i % 3 - 1],
+            frequency_penalty=[0.2, 0.0, 1.1][i % 3],
+        )
+        rows.append(_row(params, prompt=prompt, output=output))
+    penalised = apply_penalties(logits, rows, [1, 2, 3, 4, 5])
+    for i, row in enumerate(rows):
+        expected = logits[i].tolist()
+        if i > 0:
+            p = row.params
+            for token in set(row.prompt_token_ids + row.output_token_ids):
+                value = expected[token]
+                expected[token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+            for token in set(row.output_token_ids):
+                count = row.output_token_ids.count(token)
+                expected[token] -= p.presence_penalty + p.frequency_penalty * count
+        assert penalised[i].tolist() == pytest.approx(expected, abs=1e-5)
+
+
 def test_penalties_steer_greedy() -> None:
     logits = torch.tensor([[2.0, 1.9, 0.0]])
     greedy_pen = SamplingParams(temperature=0.0, presence_penalty=0.5)
