@@ -103,9 +103,10 @@ def paged_attention(
     if plan.decode_token_index is not None:
         out[plan.decode_token_index] = _decode_attention(q[plan.decode_token_index], k_cache, v_cache, plan)
     for chunk in plan.prefills:
-        qs = q[chunk.start : chunk.start + chunk.query_len].transpose(0, 1).unsqueeze(0)
-        k = k_cache[chunk.block_ids].view(-1, hkv, d)[: chunk.context_len].to(q.dtype)
-        v = v_cache[chunk.block_ids].view(-1, hkv, d)[: chunk.context_len].to(q.dtype)
+        # fp32 here: CPU SDPA is several times slower in bf16 than the cast costs.
+        qs = q[chunk.start : chunk.start + chunk.query_len].transpose(0, 1).unsqueeze(0).float()
+        k = k_cache.index_select(0, chunk.block_ids).view(-1, hkv, d)[: chunk.context_len].float()
+        v = v_cache.index_select(0, chunk.block_ids).view(-1, hkv, d)[: chunk.context_len].float()
         o = F.scaled_dot_product_attention(
             qs,
             k.transpose(0, 1).unsqueeze(0),
@@ -114,7 +115,7 @@ def paged_attention(
             is_causal=chunk.mask is None,
             enable_gqa=True,
         )
-        out[chunk.start : chunk.start + chunk.query_len] = o[0].transpose(0, 1)
+        out[chunk.start : chunk.start + chunk.query_len] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 

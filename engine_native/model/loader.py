@@ -7,13 +7,17 @@ that says what was found there.
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 import torch
+from gguf import GGUFReader
 
-from engine_native.model.base import LoadedModel, ModelLoadError
-from engine_native.model.gguf_loader import load_gguf
-from engine_native.model.hf_loader import load_hf_folder
+from engine_native.model.base import LoadedModel, ModelLoadError, Tokenizer
+from engine_native.model.gguf_loader import load_gguf, read_metadata
+from engine_native.model.gguf_tokenizer import tokenizer_from_gguf
+from engine_native.model.hf_loader import load_hf_folder, load_hf_tokenizer
 
 
 def load_model(path: str, dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> LoadedModel:
@@ -28,3 +32,22 @@ def load_model(path: str, dtype: torch.dtype = torch.bfloat16, progress: bool = 
     if os.path.exists(path):
         raise ModelLoadError(f"{path} is neither a .gguf file nor a model folder")
     raise ModelLoadError(f"model path not found: {path}")
+
+
+def load_tokenizer(path: str) -> Tokenizer | None:
+    """Only the tokenizer of a model path (no weights): for the process that tokenizes prompts."""
+    if path.lower().endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return tokenizer_from_gguf(read_metadata(GGUFReader(path)))
+    if os.path.isdir(path):
+        return load_hf_tokenizer(path, _read_json_if_exists(os.path.join(path, "config.json")))
+    raise ModelLoadError(f"model path not found: {path}")
+
+
+def _read_json_if_exists(path: str) -> dict[str, Any] | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else None
