@@ -1,0 +1,191 @@
+"""The whole engine on the bundled SmolLM2 against Hugging Face transformers (fp32 greedy).
+
+Each situation the engine must survive is shown to have happened: requests
+one at a time, all together, prompts split into small prefill chunks, and a
+KV pool so small that requests are preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine_native.detokenizer import IncrementalDetokenizer
+from engine_native.engine import LLMEngine
+from engine_native.messages import RequestOutput
+from engine_native.model.bundled import bundled_model_path
+from engine_native.model.loader import load_model
+from engine_native.request import FinishReason
+from engine_native.sampling_params import SamplingParams
+
+NEW_TOKENS = 20
+
+PROMPT_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "List three colours:",
+    "Water boils at",
+    " ".join(["The quick brown fox jumps over the lazy dog."] * 12),
+    "Translate to French: I like apples.",
+    " ".join(f"Item {i} costs {i * 3} dollars." for i in range(40)),
+]
+
+
+@pytest.fixture(scope="module")
+def loaded():  # type: ignore[no-untyped-def]
+    return load_model(bundled_model_path(), dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    chat = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    texts = PROMPT_TEXTS[:6] + [chat] + PROMPT_TEXTS[7:]  # the chat prompt replaces the translation one
+    ids = [loaded.tokenizer.encode(t) for t in texts]
+    assert len({len(p) for p in ids}) >= 6, "prompts should differ in length"
+    assert max(len(p) for p in ids) > 200
+    return ids
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    path = Path(bundled_model_path())
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model(input_ids=ids, use_cache=True)
+            generated: list[int] = []
+            for _ in range(NEW_TOKENS):
+                token = int(out.logits[0, -1].argmax())
+                generated.append(token)
+                out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            outputs.append(generated)
+    return outputs
+
+
+def make_engine(loaded, *, num_blocks: int = 512, block_size: int = 16, **sched: int) -> LLMEngine:  # type: ignore[no-untyped-def]
+    config = EngineConfig(
+        model_path=bundled_model_path(),
+        dtype="float32",
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(**{"max_num_seqs": 16, "max_num_batched_tokens": 512,
+                                     "long_prefill_token_threshold": 512, **sched}),
+    )
+    return LLMEngine(config, loaded=loaded)
+
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def run_checked(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    """Run to completion, checking the KV invariant after every step."""
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    got: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+        engine.kv_cache.check_integrity()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    return [got[rid] for rid in ids]
+
+
+def test_one_at_a_time_matches_hf(loaded, prompts, hf_greedy) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(loaded)
+    for prompt, expected in zip(prompts, hf_greedy, strict=True):
+        assert run_checked(engine, [prompt]) == [expected]
+
+
+def test_all_together_matches_hf(loaded, prompts, hf_greedy) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(loaded)
+    assert run_checked(engine, prompts) == hf_greedy
+    assert engine.scheduler.num_preemptions == 0
+
+
+def test_small_prefill_chunks_match_hf(loaded, prompts, hf_greedy) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(loaded, max_num_batched_tokens=48, long_prefill_token_threshold=16)
+    assert run_checked(engine, prompts) == hf_greedy
+    # every prompt longer than 16 tokens was split: at least ceil(len/16) - 1 non-sampling chunks each
+    assert engine.scheduler.num_prefill_chunks >= sum(max(0, -(-len(p) // 16) - 1) for p in prompts)
+
+
+def test_tiny_kv_pool_preempts_and_still_matches_hf(loaded, prompts, hf_greedy) -> None:  # type: ignore[no-untyped-def]
+    # Every prompt fits at admission (one big step), but not the growth of all of them while decoding.
+    prompt_blocks = sum(-(-len(p) // 8) for p in prompts)
+    engine = make_engine(loaded, num_blocks=prompt_blocks + 2, block_size=8, max_num_batched_tokens=4096,
+                         long_prefill_token_threshold=4096)
+    assert run_checked(engine, prompts) == hf_greedy
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_is_independent_of_the_batch(loaded, prompts) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    engine = make_engine(loaded)
+    alone = run_checked(engine, [prompts[0]], params)[0]
+    noisy = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    for i, p in enumerate(prompts[1:5]):
+        engine.add_request(f"noise-{i}", p, noisy)
+    together = run_checked(engine, [prompts[0]], params)[0]
+    assert together == alone
+    other_seed = run_checked(engine, [prompts[0]], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95,
+                                                                seed=99, ignore_eos=True))[0]
+    assert other_seed != alone
+
+
+def _stream(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    engine.add_request("s", prompt, params)
+    outs: list[RequestOutput] = []
+    while engine.has_unfinished:
+        outs.extend(engine.step())
+    return outs
+
+
+def test_stop_string_across_tokens_cuts_the_stream(loaded, prompts) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(loaded)
+    full = "".join(o.new_text for o in _stream(engine, prompts[2], SamplingParams(max_tokens=30, temperature=0)))
+    tok = loaded.tokenizer
+    # find a stop string that spans two tokens of the generated text
+    ids = tok.encode(full, add_special_tokens=False)
+    pieces = [tok.decode([i]) for i in ids]
+    k = next(k for k in range(2, len(pieces)) if len(pieces[k - 1]) >= 2 and len(pieces[k]) >= 2)
+    stop = pieces[k - 1][-2:] + pieces[k][:2]
+    assert stop in full
+    outs = _stream(engine, prompts[2], SamplingParams(max_tokens=30, temperature=0, stop=[stop]))
+    text = "".join(o.new_text for o in outs)
+    assert text == full[: full.index(stop)]
+    assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == stop
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_chat_answer_is_right(loaded) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(loaded)
+    tok = loaded.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+                        add_special_tokens=False)
+    outs = _stream(engine, prompt, SamplingParams(max_tokens=40, temperature=0))
+    text = "".join(o.new_text for o in outs)
+    assert "Paris" in text
+    assert outs[-1].finish_reason == FinishReason.STOP  # stopped at <|im_end|>, not by length
+
+
+@pytest.mark.parametrize("text", ["Emoji: 😀🎉👩‍👩‍👧 done", "中文字符测试，日本語もあります。", "mixed 😀 中 é ñ 🇫🇷"])
+def test_multibyte_text_streams_without_broken_characters(loaded, text: str) -> None:  # type: ignore[no-untyped-def]
+    tok = loaded.tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(max_tokens=len(ids)))
+    pieces = [detok.append(i) for i in ids] + [detok.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+    assert sum(1 for p in pieces if p == "") > 0  # some tokens really were partial characters
