@@ -167,13 +167,15 @@ class AsyncEngineClient:
                         del self._streams[out.request_id]
         elif isinstance(msg, EngineStats):
             self.stats = msg
+            # The engine sends stats right after EngineReady: start() returns once both are in.
+            if self.info is not None and self._ready is not None and not self._ready.done():
+                self._ready.set_result(self.info)
         elif isinstance(msg, AddRejected):
             stream = self._streams.pop(msg.request_id, None)
             if stream is not None:
                 stream.put_nowait(EngineRequestError(msg.reason, queue_full=msg.queue_full))
         elif isinstance(msg, EngineReady):
-            if self._ready is not None and not self._ready.done():
-                self._ready.set_result(msg)
+            self.info = msg
         elif isinstance(msg, EngineFailed):
             self._on_dead(msg.error)
 

@@ -60,6 +60,7 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
             block_size=engine.kv_cache.block_size,
         )
     )
+    send(engine.stats())  # so that clients see the pool before the first request
     log = logging.getLogger("engine_native.process")
     last_stats = 0.0
     try:

@@ -96,7 +96,8 @@ def run_checked(engine: LLMEngine, prompts: list[list[int]], params: SamplingPar
     got: dict[str, list[int]] = {rid: [] for rid in ids}
     while engine.has_unfinished:
         for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
+            if out.request_id in got:  # other requests may share the engine
+                got[out.request_id].extend(out.new_token_ids)
         engine.kv_cache.check_integrity()
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
     return [got[rid] for rid in ids]

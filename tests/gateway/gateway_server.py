@@ -47,7 +47,8 @@ def _free_port() -> int:
         return port
 
 
-def start_server(*options: str) -> Iterator[Server]:
+def start_server(*options: str, startup_timeout_s: float = 30) -> Iterator[Server]:
+    """Options come after `--driver synthetic`, so a later `--driver native` wins."""
     port = _free_port()
     cmd = [
         SLUICE,
@@ -64,7 +65,7 @@ def start_server(*options: str) -> Iterator[Server]:
     ]
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + startup_timeout_s
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"server exited: {process.stderr.read().decode() if process.stderr else ''}")

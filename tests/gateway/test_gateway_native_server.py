@@ -1,0 +1,142 @@
+"""The real thing: `sluice serve` with the native engine and the bundled SmolLM2, driven over HTTP
+by the official `openai` client and raw httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from gateway_server import Server, start_server
+
+MODEL = "smollm2-135m-instruct"
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def native() -> Iterator[Server]:
+    yield from start_server(
+        "--driver", "native", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32",
+        "--kv-cache-memory", "256MiB", "--num-threads", "2", startup_timeout_s=240,
+    )
+
+
+@pytest.fixture()
+def client(native: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=native.v1, api_key="unused", max_retries=0)
+
+
+def test_models_and_readiness(native: Server, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{native.base_url}/readyz").status_code == 200
+    stats = native.stats()
+    assert stats["kv_blocks_total"] > 0 and stats["ready"] is True
+
+
+def test_chat_answers_the_capital_of_france(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0,
+        max_tokens=40,
+    )
+    choice = resp.choices[0]
+    assert "Paris" in (choice.message.content or "")
+    assert choice.finish_reason == "stop"
+    assert resp.usage is not None and resp.usage.completion_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_streamed_completion_matches_the_unstreamed_one_and_reports_usage(client: openai.OpenAI) -> None:
+    kwargs = {"model": MODEL, "prompt": "The three primary colours are", "max_tokens": 24, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_stop_string_and_logprobs(client: openai.OpenAI) -> None:
+    base = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0)
+    full = base.choices[0].text
+    stop = full.strip()[:3]
+    assert stop
+    cut = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == chat.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_bad_inputs_get_openai_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model=MODEL, prompt="hello " * 900, max_tokens=500)
+    message = str(too_long.value)
+    assert str(MAX_MODEL_LEN) in message and "500" in message
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[999_999], max_tokens=2)  # token id outside the vocab
+
+
+def test_disconnect_mid_stream_frees_the_kv_blocks(native: Server) -> None:
+    idle = native.wait_idle()
+    assert idle["kv_blocks_used"] == 0
+    body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 600, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{native.v1}/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        received = 0
+        for line in lines:
+            if line.startswith("data: "):
+                received += 1
+            if received == 5:
+                break
+        busy = native.stats()
+        assert busy["running"] == 1 and busy["kv_blocks_used"] > 0
+    # The client is gone: the engine must abort the request and free its blocks promptly.
+    deadline = time.monotonic() + 5
+    stats = native.stats()
+    while (stats["kv_blocks_used"] or stats["running"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = native.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == 0
+
+
+def test_fifty_concurrent_streams_all_finish_with_the_right_length(native: Server) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str | None]:
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"Request {i}: tell me about the number {i}.", max_tokens=12, temperature=0.7,
+            seed=i, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        pieces, usage, finish = 0, 0, None
+        async for chunk in stream:
+            if chunk.choices:
+                pieces += 1
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return pieces, usage, finish
+
+    async def main() -> list[tuple[int, int, str | None]]:
+        client = openai.AsyncOpenAI(base_url=native.v1, api_key="unused", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(50)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert all(usage == 12 and finish == "length" and pieces >= 1 for pieces, usage, finish in results), results
+    assert native.wait_idle(10)["kv_blocks_used"] == 0
