@@ -51,6 +51,10 @@ class Admission:
     headers: dict[str, str] = field(default_factory=dict)
     # True when the backend was unreachable and FailMode decided.
     degraded: bool = False
+    # Human-readable reason for a refusal, for the error body. A refusal with
+    # retry_after_s == 0 can never pass as sent (e.g. it reserves more tokens
+    # than the tokens-per-minute limit): retrying will not help.
+    message: str | None = None
 
 
 class RateLimiter(ABC):
