@@ -1,0 +1,111 @@
+"""What only the shared backend has: replicas in separate processes, key expiry, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import time
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+from ratelimit_support import REDIS_URL, PrivateRedis, admit_many_in_process
+
+from ratelimit.base import FailMode, TenantLimits
+from ratelimit.redis_backend import RedisRateLimiter
+from ratelimit.registry import create_rate_limiter
+
+
+def test_two_processes_sharing_redis_admit_exactly_n(redis_prefix: str) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + 2.0  # both processes fire together, after their imports
+    with ctx.Pool(2) as pool:
+        allowed = pool.starmap(
+            admit_many_in_process, [(redis_prefix, "p0", 25, start_at), (redis_prefix, "p1", 25, start_at)]
+        )
+    assert sum(allowed) == 10, allowed
+
+
+def test_keys_expire_when_buckets_would_be_full(redis_prefix: str) -> None:
+    async def main() -> None:
+        limiter = RedisRateLimiter(REDIS_URL, key_prefix=redis_prefix, lease_s=5)
+        limits = TenantLimits(requests_per_minute=60, tokens_per_minute=600, max_concurrent=3)
+        assert (await limiter.admit("t", "r1", limits, 300)).allowed
+        await limiter.close()
+
+    asyncio.run(main())
+    client = redis.Redis.from_url(REDIS_URL)
+    base = f"{redis_prefix}{{t}}"
+    # requests: 1 of 60 at 1/s -> full in 1 s; tokens: 300 of 600 at 10/s -> 30 s; lease 5 s. (+1 s margin)
+    assert 1000 < client.pttl(f"{base}:req") <= 2000
+    assert 30000 < client.pttl(f"{base}:tok") <= 31000
+    assert 5000 < client.pttl(f"{base}:flight") <= 6000
+    assert client.zcard(f"{base}:flight") == 1
+    client.close()
+
+
+def test_registry_picks_the_backend(redis_prefix: str) -> None:
+    async def main() -> None:
+        shared = create_rate_limiter(REDIS_URL, FailMode.CLOSED, key_prefix=redis_prefix, lease_s=5)
+        assert isinstance(shared, RedisRateLimiter) and shared.fail_mode is FailMode.CLOSED
+        await shared.close()
+        local = create_rate_limiter(None, timeout_s=0.1, lease_s=5)
+        assert type(local).__name__ == "InProcessRateLimiter"
+        with pytest.raises(TypeError):
+            create_rate_limiter(None, leese_s=5)
+
+    asyncio.run(main())
+
+
+def test_outage_follows_fail_mode_logs_once_and_recovers(
+    spare_redis: PrivateRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    limits = TenantLimits(requests_per_minute=100, max_concurrent=10)
+    registry = CollectorRegistry()
+
+    async def main() -> None:
+        open_ = RedisRateLimiter(spare_redis.url, FailMode.OPEN, timeout_s=0.2, registry=registry)
+        closed = RedisRateLimiter(spare_redis.url, FailMode.CLOSED, timeout_s=0.2)
+        held = await open_.admit("t", "r0", limits, 1)
+        assert held.allowed and not held.degraded and held.reservation is not None
+        assert (await closed.admit("t", "r1", limits, 1)).allowed
+
+        spare_redis.kill()
+        for i in range(3):
+            degraded = await open_.admit("t", f"o{i}", limits, 1)
+            assert degraded.allowed and degraded.degraded and degraded.reservation is not None
+            refused = await closed.admit("t", f"c{i}", limits, 1)
+            assert not refused.allowed and refused.degraded
+            assert refused.refused_by == "unavailable" and refused.retry_after_s == 1.0
+        await open_.release(held.reservation, 1)  # must not raise
+        assert open_.backend_errors == 4 and closed.backend_errors == 3
+        assert registry.get_sample_value("ratelimit_backend_errors_total", {"operation": "admit"}) == 3
+        assert registry.get_sample_value("ratelimit_backend_errors_total", {"operation": "release"}) == 1
+        warnings = [
+            r for r in caplog.records if r.name == "sluice.ratelimit" and r.levelno == logging.WARNING
+        ]
+        assert len(warnings) == 2  # one per limiter per outage, not one per call
+        assert warnings[0].__dict__["backend"] == "redis"
+
+        spare_redis.start()  # a fresh, empty Redis on the same port: scripts reload by themselves
+        back = await open_.admit("t", "r2", limits, 1)
+        assert back.allowed and not back.degraded
+        assert back.headers["x-ratelimit-remaining-requests"] == "99"
+        assert (await closed.admit("t", "r3", limits, 1)).allowed
+        recovered = [r for r in caplog.records if r.name == "sluice.ratelimit" and r.levelno == logging.INFO]
+        assert len(recovered) == 2
+
+        # A hung Redis (paused process) is an outage too, bounded by timeout_s.
+        spare_redis.pause()
+        started = time.monotonic()
+        hung = await closed.admit("t", "r4", limits, 1)
+        assert time.monotonic() - started < 1.0
+        assert hung.refused_by == "unavailable"
+        spare_redis.resume()
+        await asyncio.sleep(0.05)
+        await open_.close()
+        await closed.close()
+
+    with caplog.at_level(logging.INFO, logger="sluice.ratelimit"):
+        asyncio.run(main())
