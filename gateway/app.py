@@ -1,4 +1,4 @@
-"""The app factory: wires a driver, settings and metrics into a Litestar app."""
+"""The app factory: wires a driver, settings, metrics and (auth on) the tenancy into a Litestar app."""
 
 from __future__ import annotations
 
@@ -8,20 +8,25 @@ from contextlib import asynccontextmanager
 from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
-from litestar.types import Message, Scope
+from litestar.openapi import OpenAPIConfig
+from litestar.types import ControllerRouterHandler, Message, Scope
 
 from drivers.base import Driver
+from gateway.auth import SECURITY_COMPONENTS, provide_admin, provide_caller
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.metrics import GatewayMetrics
+from gateway.routes.admin import ADMIN_ROUTES
 from gateway.routes.health import HEALTH_ROUTES
 from gateway.routes.openai import OPENAI_ROUTES
 from gateway.service import CompletionService
 from gateway.settings import Settings
+from gateway.tenancy import Tenancy
 
 
 def create_app(settings: Settings, driver: Driver) -> Litestar:
     metrics = GatewayMetrics()
     service = CompletionService(driver, settings, metrics)
+    state = State({"settings": settings, "tenancy": None})
 
     @asynccontextmanager
     async def driver_lifespan(_: Litestar) -> AsyncGenerator[None, None]:
@@ -31,23 +36,70 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
         finally:
             await driver.stop()
 
+    @asynccontextmanager
+    async def tenancy_lifespan(_: Litestar) -> AsyncGenerator[None, None]:
+        # Runs inside driver_lifespan: on shutdown, usage and refunds are flushed before the driver stops.
+        tenancy, generated_admin_key = await Tenancy.start(settings)
+        if generated_admin_key:
+            _announce_admin_key(generated_admin_key, settings)
+        state["tenancy"] = tenancy
+        service.gate = tenancy.gate
+        try:
+            yield
+        finally:
+            service.gate = None
+            state["tenancy"] = None
+            await tenancy.stop()
+
     async def count_response(message: Message, scope: Scope) -> None:
         # before_send sees every response, including 404s for unknown routes and error responses.
         if message["type"] == "http.response.start":
             metrics.observe_response(scope["path"], message["status"])
 
+    routes: list[ControllerRouterHandler] = [*OPENAI_ROUTES, *HEALTH_ROUTES]
+    if settings.auth:
+        routes += ADMIN_ROUTES
     return Litestar(
-        route_handlers=[*OPENAI_ROUTES, *HEALTH_ROUTES],
+        route_handlers=routes,
         dependencies={
             "service": Provide(lambda: service, use_cache=True, sync_to_thread=False),
             "driver": Provide(lambda: driver, use_cache=True, sync_to_thread=False),
             "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False),
+            "caller": Provide(provide_caller),
+            "admin": Provide(provide_admin),
         },
         exception_handlers=EXCEPTION_HANDLERS,
-        lifespan=[driver_lifespan],
+        lifespan=[driver_lifespan, *([tenancy_lifespan] if settings.auth else [])],
         before_send=[count_response],
         request_max_body_size=settings.max_body_bytes,
-        state=State({"settings": settings}),
-        openapi_config=None,
+        state=state,
+        openapi_config=OpenAPIConfig(
+            title="Sluice", version="0.1.0", path="/schema", components=[SECURITY_COMPONENTS]
+        ),
         logging_config=None,  # the CLI configures logging; Litestar must not add its own handlers
+    )
+
+
+def _announce_admin_key(key: str, settings: Settings) -> None:
+    """Print the generated admin key once: it is stored hashed and cannot be shown again."""
+    base = f"http://{settings.host}:{settings.port}"
+    print(
+        "\n".join(
+            [
+                "",
+                "Generated the admin key (shown once, stored hashed; set SLUICE_ADMIN_KEY to replace it):",
+                f"  {key}",
+                "Create a tenant and an API key:",
+                (
+                    f"  curl -s {base}/admin/tenants -H 'authorization: Bearer {key}' "
+                    "-H 'content-type: application/json' -d '{\"name\": \"me\"}'"
+                ),
+                (
+                    f"  curl -s {base}/admin/tenants/<tenant id>/keys -H 'authorization: Bearer {key}' "
+                    "-H 'content-type: application/json' -d '{\"name\": \"laptop\"}'"
+                ),
+                "",
+            ]
+        ),
+        flush=True,
     )

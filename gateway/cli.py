@@ -72,6 +72,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
         default=env.stream_timeout_s,
         help="lifetime cap of one generation in seconds (SLUICE_STREAM_TIMEOUT_S)",
     )
+    p.add_argument(
+        "--no-auth",
+        dest="auth",
+        action="store_false",
+        default=env.auth,
+        help="dev only: no tenants, keys, limits or usage records (SLUICE_AUTH=0)",
+    )
     p.add_argument("--log-level", default=env.log_level, help="DEBUG, INFO, WARNING, ... (SLUICE_LOG_LEVEL)")
     p.add_argument(
         "--synthetic-tokens-per-second",
@@ -128,6 +135,7 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
             "max_body_bytes": args.max_body_bytes,
             "stream_timeout_s": args.stream_timeout,
             "log_level": args.log_level.upper(),
+            "auth": args.auth,
         }
     )
     configure_logging(settings.log_level)
@@ -135,12 +143,19 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
     app = create_app(settings, driver)
     base = f"http://{settings.host}:{settings.port}"
     log.info("starting", extra={"address": base, "driver": settings.driver, "model": settings.model})
+    auth_header = "-H \"authorization: Bearer $SLUICE_KEY\" " if settings.auth else ""
     print(
-        f"Sluice listening on {base} (driver {settings.driver}). Try:\n"
-        f"  curl {base}/v1/chat/completions -H 'content-type: application/json' "
+        f"Sluice listening on {base} (driver {settings.driver}, auth {'on' if settings.auth else 'off'}). Try:\n"
+        f"  curl {base}/v1/chat/completions {auth_header}-H 'content-type: application/json' "
         f'-d \'{{"messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}\'',
         flush=True,
     )
+    if settings.auth:
+        print(
+            "  with SLUICE_KEY a tenant key from the admin API (POST /admin/tenants, then\n"
+            "  POST /admin/tenants/<id>/keys, with the admin key; see README 'Tenants'). --no-auth turns auth off.",
+            flush=True,
+        )
     uvicorn.run(
         app,
         host=settings.host,

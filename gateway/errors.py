@@ -2,7 +2,8 @@
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
-Driver errors (the typed taxonomy in `drivers.base`) map by class; Litestar's
+Driver errors (the typed taxonomy in `drivers.base`) and tenant errors (auth,
+limits, admin: `tenants.errors`) map by class; Litestar's
 own HTTP errors (unknown route, wrong method, body too large) keep their status
 but get our body; anything else is a bug: 500, logged with the request id.
 """
@@ -27,11 +28,24 @@ from drivers.base import (
 )
 from gateway.fanout import LifetimeExceededError
 from gateway.schemas import ErrorBody, ErrorDetail
+from tenants.errors import (
+    AuthenticationError,
+    ConflictError,
+    InvalidInputError,
+    LimiterUnavailableError,
+    NotFoundError,
+    PermissionDeniedError,
+    QuotaExceededError,
+    RateLimitedError,
+    TenantError,
+)
 
 log = logging.getLogger("sluice.gateway")
 
 _HTTP_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "method_not_allowed_error",
     413: "request_too_large_error",
@@ -99,11 +113,46 @@ def _on_driver_error(request: Request, exc: DriverError) -> Response[bytes]:
     )
 
 
+def error_from_tenant(exc: TenantError) -> tuple[int, ErrorDetail, dict[str, str]]:
+    """Status, body and headers for a tenant-layer error (auth, limits, admin API)."""
+    message = str(exc)
+    if isinstance(exc, AuthenticationError):
+        return 401, ErrorDetail(message, "authentication_error", None, "invalid_api_key"), {}
+    if isinstance(exc, PermissionDeniedError):
+        return 403, ErrorDetail(message, "permission_error", None, "permission_denied"), {}
+    if isinstance(exc, NotFoundError):
+        return 404, ErrorDetail(message, "not_found_error", None, "not_found"), {}
+    if isinstance(exc, InvalidInputError):
+        return 400, ErrorDetail(message, "invalid_request_error", exc.param), {}
+    if isinstance(exc, ConflictError):
+        return 409, ErrorDetail(message, "invalid_request_error", None, "conflict"), {}
+    if isinstance(exc, QuotaExceededError):  # OpenAI's answer to a spent budget
+        return 429, ErrorDetail(message, "insufficient_quota", None, "insufficient_quota"), {}
+    if isinstance(exc, RateLimitedError):
+        return 429, ErrorDetail(message, "rate_limit_error", None, "rate_limit_exceeded"), exc.headers
+    if isinstance(exc, LimiterUnavailableError):
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        detail = ErrorDetail(message, "service_unavailable_error", None, "ratelimit_unavailable")
+        return 503, detail, {"retry-after": retry}
+    log.error("unmapped tenant error", exc_info=exc)
+    return 500, ErrorDetail("Internal server error", "server_error"), {}
+
+
+def _on_tenant_error(request: Request, exc: TenantError) -> Response[bytes]:
+    status, detail, headers = error_from_tenant(exc)
+    return error_response(
+        status, detail.message, detail.type, detail.param, detail.code, headers, request_id_of(request)
+    )
+
+
 def _on_http_error(request: Request, exc: HTTPException) -> Response[bytes]:
     status = exc.status_code
     message = exc.detail or "HTTP error"
+    param = None
     if isinstance(exc, ValidationException) and exc.extra:
         message = f"{message}: {exc.extra}"
+        first = exc.extra[0] if isinstance(exc.extra, list) and exc.extra else None
+        param = first.get("key") if isinstance(first, dict) else None
     if status == 404 and message == "Not Found":
         message = f"Route {request.method} {request.url.path} not found"
     elif status == 413:
@@ -114,6 +163,7 @@ def _on_http_error(request: Request, exc: HTTPException) -> Response[bytes]:
         status,
         message,
         _HTTP_TYPES.get(status, "http_error"),
+        param=param,
         code=status,
         headers=headers,
         request_id=request_id_of(request),
@@ -134,6 +184,7 @@ def _on_unexpected(request: Request, exc: Exception) -> Response[bytes]:
 
 EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     DriverError: _on_driver_error,
+    TenantError: _on_tenant_error,
     HTTPException: _on_http_error,
     LifetimeExceededError: _on_timeout,
     Exception: _on_unexpected,

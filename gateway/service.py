@@ -3,6 +3,11 @@
 Route handlers call `chat()` / `completion()` and only wrap the result in an
 HTTP response. Everything a driver rejects up front raises here, before any
 byte is sent; errors after the stream has started become an SSE error event.
+
+With a tenant gate (auth on), a request from `caller` runs:
+
+    dispatch (count prompt tokens) -> gate.admit(prompt + max_tokens) -> driver
+        -> finally gate.finish(actual tokens, status): refund + usage record, once
 """
 
 from __future__ import annotations
@@ -10,9 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import msgspec
 
 from drivers.base import Driver, DriverError
+from gateway.admission import TenantGate, Ticket
 from gateway.errors import error_from_driver
 from gateway.fanout import Fanout, LifetimeExceededError
 from gateway.metrics import GatewayMetrics
@@ -25,81 +34,146 @@ from gateway.render import (
     sse_error,
     text_completion,
 )
-from gateway.schemas import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest, ErrorDetail
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, ErrorDetail
 from gateway.settings import Settings
 from gateway.validation import Dispatch, chat_dispatch, completion_dispatch
+from tenants.auth import TenantContext
 
 log = logging.getLogger("sluice.gateway")
 
 
+@dataclass(frozen=True)
+class Reply:
+    """A whole response or an SSE byte stream, plus headers for the HTTP response (x-ratelimit-*)."""
+
+    body: msgspec.Struct | AsyncIterator[bytes]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
 class CompletionService:
-    def __init__(self, driver: Driver, settings: Settings, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, driver: Driver, settings: Settings, metrics: GatewayMetrics, gate: TenantGate | None = None
+    ) -> None:
         self.driver = driver
         self.settings = settings
         self.metrics = metrics
+        self.gate = gate  # None: auth is off, nothing is limited or recorded
 
-    async def chat(self, body: ChatCompletionRequest, rid: str) -> ChatCompletion | AsyncIterator[bytes]:
-        dispatch = chat_dispatch(body, rid, self.driver, self.settings.max_default_tokens)
+    async def chat(self, body: ChatCompletionRequest, rid: str, caller: TenantContext | None = None) -> Reply:
+        cap = self.settings.max_default_tokens
+        dispatch = self._dispatch(lambda: chat_dispatch(body, rid, self.driver, cap), caller, rid, body.model)
+        ticket = await self._admit(dispatch, caller)
         created = int(time.time())
         logprobs = dispatch.logprobs is not None
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await self._stream(
-                dispatch, ChatChunks(rid, created, dispatch.model), include_usage, logprobs
-            )
-        outputs = await self._collect(dispatch)
-        return chat_completion(rid, created, dispatch.model, outputs, dispatch.prompt_tokens, logprobs)
+            renderer = ChatChunks(rid, created, dispatch.model)
+            return await self._stream(dispatch, ticket, renderer, include_usage, logprobs)
+        outputs = await self._collect(dispatch, ticket)
+        reply = chat_completion(rid, created, dispatch.model, outputs, dispatch.prompt_tokens, logprobs)
+        return Reply(reply, _headers(ticket))
 
-    async def completion(self, body: CompletionRequest, rid: str) -> Completion | AsyncIterator[bytes]:
-        dispatch = completion_dispatch(body, rid, self.driver, self.settings.max_default_tokens)
+    async def completion(
+        self, body: CompletionRequest, rid: str, caller: TenantContext | None = None
+    ) -> Reply:
+        cap = self.settings.max_default_tokens
+        dispatch = self._dispatch(
+            lambda: completion_dispatch(body, rid, self.driver, cap), caller, rid, body.model
+        )
+        ticket = await self._admit(dispatch, caller)
         created = int(time.time())
         logprobs = dispatch.logprobs is not None
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             renderer = CompletionChunks(rid, created, dispatch.model)
-            return await self._stream(dispatch, renderer, include_usage, logprobs)
-        outputs = await self._collect(dispatch)
-        return text_completion(rid, created, dispatch.model, outputs, dispatch.prompt_tokens, logprobs)
+            return await self._stream(dispatch, ticket, renderer, include_usage, logprobs)
+        outputs = await self._collect(dispatch, ticket)
+        reply = text_completion(rid, created, dispatch.model, outputs, dispatch.prompt_tokens, logprobs)
+        return Reply(reply, _headers(ticket))
+
+    # -- tenancy ---------------------------------------------------------------------------------
+
+    def _dispatch(
+        self, build: Callable[[], Dispatch], caller: TenantContext | None, rid: str, model: str | None
+    ) -> Dispatch:
+        try:
+            dispatch = build()
+        except DriverError as exc:
+            if self.gate is not None and caller is not None:
+                self.gate.refuse(caller, rid, model or "", type(exc).__name__)
+            raise
+        if caller is None:
+            return dispatch
+        # The tenant's tier orders its work in the engine (lower = sooner); see tenants.models.
+        requests = [
+            msgspec.structs.replace(r, priority=caller.priority, tenant_id=caller.tenant_id)
+            for r in dispatch.requests
+        ]
+        return Dispatch(
+            dispatch.request_id, dispatch.model, requests, dispatch.prompt_tokens, dispatch.logprobs
+        )
+
+    async def _admit(self, dispatch: Dispatch, caller: TenantContext | None) -> Ticket | None:
+        if self.gate is None or caller is None:
+            return None
+        # Reserve the worst case; finish() refunds what the completion did not use.
+        tokens = dispatch.prompt_tokens + sum(r.max_tokens or 0 for r in dispatch.requests)
+        return await self.gate.admit(caller, dispatch.request_id, dispatch.model, tokens)
 
     # -- running a dispatch ----------------------------------------------------------------------
 
-    async def _open(self, dispatch: Dispatch) -> tuple[Fanout, float]:
+    async def _open(self, dispatch: Dispatch, ticket: Ticket | None) -> tuple[Fanout, float, float]:
         loop = asyncio.get_running_loop()
         started = loop.time()
         fanout = Fanout(self.driver, dispatch.requests, deadline=started + self.settings.stream_timeout_s)
         self.metrics.in_flight.inc()
         try:
             await fanout.open()
-        except BaseException:
+        except BaseException as exc:
             self.metrics.in_flight.dec()
+            if ticket is not None and self.gate is not None:
+                await _settle(self.gate.finish(ticket, dispatch.prompt_tokens, 0, None, type(exc).__name__))
             raise
-        self.metrics.ttft.labels(model=dispatch.model).observe(loop.time() - started)
-        return fanout, started
+        ttft = loop.time() - started
+        self.metrics.ttft.labels(model=dispatch.model).observe(ttft)
+        return fanout, started, ttft
 
-    async def _collect(self, dispatch: Dispatch) -> list[ChoiceOutput]:
-        fanout, started = await self._open(dispatch)
+    async def _collect(self, dispatch: Dispatch, ticket: Ticket | None) -> list[ChoiceOutput]:
+        fanout, started, ttft = await self._open(dispatch, ticket)
         outputs = [ChoiceOutput() for _ in dispatch.requests]
         outcome = "error"
         try:
             async for i, chunk in fanout.chunks():
                 outputs[i].add(chunk)
             outcome = "ok"
+        except BaseException as exc:
+            outcome = "disconnected" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__
+            raise
         finally:
             await fanout.aclose()
-            self._finished(dispatch, [o.completion_tokens for o in outputs], started, outcome)
+            completion = [o.completion_tokens for o in outputs]
+            await self._finished(dispatch, ticket, completion, started, ttft, outcome)
         return outputs
 
     async def _stream(
-        self, dispatch: Dispatch, renderer: ChatChunks | CompletionChunks, include_usage: bool, logprobs: bool
-    ) -> AsyncIterator[bytes]:
-        fanout, started = await self._open(dispatch)  # errors so far are plain JSON responses
-        return self._events(dispatch, fanout, started, renderer, include_usage, logprobs)
+        self,
+        dispatch: Dispatch,
+        ticket: Ticket | None,
+        renderer: ChatChunks | CompletionChunks,
+        include_usage: bool,
+        logprobs: bool,
+    ) -> Reply:
+        fanout, started, ttft = await self._open(dispatch, ticket)  # errors so far are plain JSON responses
+        events = self._events(dispatch, ticket, fanout, started, ttft, renderer, include_usage, logprobs)
+        return Reply(events, _headers(ticket))
 
     async def _events(
         self,
         dispatch: Dispatch,
+        ticket: Ticket | None,
         fanout: Fanout,
         started: float,
+        ttft: float,
         renderer: ChatChunks | CompletionChunks,
         include_usage: bool,
         logprobs: bool,
@@ -134,9 +208,17 @@ class CompletionService:
             yield SSE_DONE
         finally:
             await fanout.aclose()  # client gone or done: abort and release everything
-            self._finished(dispatch, completion, started, outcome)
+            await self._finished(dispatch, ticket, completion, started, ttft, outcome)
 
-    def _finished(self, dispatch: Dispatch, completion: list[int], started: float, outcome: str) -> None:
+    async def _finished(
+        self,
+        dispatch: Dispatch,
+        ticket: Ticket | None,
+        completion: list[int],
+        started: float,
+        ttft: float,
+        outcome: str,
+    ) -> None:
         self.metrics.in_flight.dec()
         total = sum(completion)
         self.metrics.prompt_tokens.labels(model=dispatch.model).inc(dispatch.prompt_tokens)
@@ -153,5 +235,19 @@ class CompletionService:
                 "completion_tokens": total,
                 "outcome": outcome,
                 "duration_s": round(elapsed, 4),
+                "tenant": ticket.caller.tenant_id if ticket else None,
             },
         )
+        if ticket is not None and self.gate is not None:
+            await _settle(self.gate.finish(ticket, dispatch.prompt_tokens, total, ttft, outcome))
+
+
+def _headers(ticket: Ticket | None) -> dict[str, str]:
+    return ticket.headers if ticket is not None else {}
+
+
+async def _settle(release: asyncio.Task[None] | None) -> None:
+    """Wait for a refund so the next request (on any replica) sees it; shielded, because a client
+    disconnect cancels us and the refund must complete regardless."""
+    if release is not None:
+        await asyncio.shield(release)

@@ -27,12 +27,25 @@ class Settings:
     """Cap on max_tokens when a request omits it (remaining context otherwise) (SLUICE_MAX_DEFAULT_TOKENS)."""
     stream_timeout_s: float = 600.0
     """Lifetime cap of one generation, streamed or not; longer ones are aborted (SLUICE_STREAM_TIMEOUT_S)."""
+    auth: bool = True
+    """Tenants, API keys, limits and usage (SLUICE_AUTH=0 turns all of it off: a local dev server)."""
+    data_dir: str = "data"
+    """Where the embedded SQLite database lives when DATABASE_URL is unset (SLUICE_DATA_DIR)."""
     database_url: str | None = None
-    """Tenant database (DATABASE_URL); unused by the gateway so far."""
+    """Tenant database, e.g. postgresql://host/db (DATABASE_URL); None: SQLite under data_dir."""
     redis_url: str | None = None
-    """Rate-limit backend (REDIS_URL); unused by the gateway so far."""
+    """Shared rate-limit backend and replica coordination (REDIS_URL); None: in-process limits."""
     admin_key: str | None = None
-    """Key for admin endpoints (SLUICE_ADMIN_KEY); unused so far and never logged."""
+    """Key for /admin endpoints (SLUICE_ADMIN_KEY); None: generated on first start, printed once,
+    stored hashed. Never logged."""
+    ratelimit_fail_mode: str = "open"
+    """What to do when Redis is unreachable: "open" admits, "closed" refuses with 503
+    (SLUICE_RATELIMIT_FAIL_MODE)."""
+    auth_cache_ttl_s: float = 1.0
+    """How long a key lookup is cached; bounds how late a revocation takes effect
+    (SLUICE_AUTH_CACHE_TTL_S)."""
+    usage_flush_interval_s: float = 0.25
+    """Longest a usage record waits before its batch is written (SLUICE_USAGE_FLUSH_MS / 1000)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -49,10 +62,22 @@ class Settings:
             log_level=e.get("SLUICE_LOG_LEVEL", d.log_level).upper(),
             max_default_tokens=int(e.get("SLUICE_MAX_DEFAULT_TOKENS", d.max_default_tokens)),
             stream_timeout_s=float(e.get("SLUICE_STREAM_TIMEOUT_S", d.stream_timeout_s)),
+            auth=e.get("SLUICE_AUTH", "1").lower() not in ("0", "false", "off", "no"),
+            data_dir=e.get("SLUICE_DATA_DIR", d.data_dir),
             database_url=e.get("DATABASE_URL") or d.database_url,
             redis_url=e.get("REDIS_URL") or d.redis_url,
             admin_key=e.get("SLUICE_ADMIN_KEY") or d.admin_key,
+            ratelimit_fail_mode=e.get("SLUICE_RATELIMIT_FAIL_MODE", d.ratelimit_fail_mode).lower(),
+            auth_cache_ttl_s=float(e.get("SLUICE_AUTH_CACHE_TTL_S", d.auth_cache_ttl_s)),
+            usage_flush_interval_s=float(e.get("SLUICE_USAGE_FLUSH_MS", d.usage_flush_interval_s * 1000))
+            / 1000,
         )
+
+    def __post_init__(self) -> None:
+        if self.ratelimit_fail_mode not in ("open", "closed"):
+            raise ValueError(
+                f"SLUICE_RATELIMIT_FAIL_MODE must be open or closed, not {self.ratelimit_fail_mode!r}"
+            )
 
     def __repr__(self) -> str:  # keep secrets out of logs
         return f"Settings(host={self.host!r}, port={self.port}, driver={self.driver!r}, model={self.model!r})"

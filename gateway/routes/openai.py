@@ -13,9 +13,11 @@ from litestar.di import NamedDependency
 from litestar.response import Stream
 
 from drivers.base import Driver
+from gateway.auth import TENANT_SECURITY
 from gateway.errors import invalid_body
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelList, ModelObject
-from gateway.service import CompletionService
+from gateway.service import CompletionService, Reply
+from tenants.auth import TenantContext
 
 T = TypeVar("T")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -44,35 +46,48 @@ async def _close_stream(events: AsyncIterator[bytes]) -> None:
         await closer()
 
 
-def _respond(result: msgspec.Struct | AsyncIterator[bytes], rid: str) -> Response[Any]:
+def _respond(reply: Reply, rid: str) -> Response[Any]:
+    result = reply.body
     if isinstance(result, msgspec.Struct):
         return Response(
-            msgspec.json.encode(result), media_type="application/json", headers={"x-request-id": rid}
+            msgspec.json.encode(result),
+            media_type="application/json",
+            headers={**reply.headers, "x-request-id": rid},
         )
     return Stream(
         result,
         media_type="text/event-stream",
-        headers={**SSE_HEADERS, "x-request-id": rid},
+        headers={**SSE_HEADERS, **reply.headers, "x-request-id": rid},
         background=BackgroundTask(_close_stream, result),
     )
 
 
-@post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request, service: NamedDependency[CompletionService]) -> Response[Any]:
+@post("/v1/chat/completions", status_code=200, security=TENANT_SECURITY)
+async def chat_completions(
+    request: Request,
+    service: NamedDependency[CompletionService],
+    caller: NamedDependency[TenantContext | None],
+) -> Response[Any]:
     rid = _new_request_id(request, "chatcmpl")
     body = await _decode(request, ChatCompletionRequest)
-    return _respond(await service.chat(body, rid), rid)
+    return _respond(await service.chat(body, rid, caller), rid)
 
 
-@post("/v1/completions", status_code=200)
-async def completions(request: Request, service: NamedDependency[CompletionService]) -> Response[Any]:
+@post("/v1/completions", status_code=200, security=TENANT_SECURITY)
+async def completions(
+    request: Request,
+    service: NamedDependency[CompletionService],
+    caller: NamedDependency[TenantContext | None],
+) -> Response[Any]:
     rid = _new_request_id(request, "cmpl")
     body = await _decode(request, CompletionRequest)
-    return _respond(await service.completion(body, rid), rid)
+    return _respond(await service.completion(body, rid, caller), rid)
 
 
-@get("/v1/models")
-async def list_models(driver: NamedDependency[Driver]) -> ModelList:
+@get("/v1/models", security=TENANT_SECURITY)
+async def list_models(
+    driver: NamedDependency[Driver], caller: NamedDependency[TenantContext | None]
+) -> ModelList:
     return ModelList(
         data=[ModelObject(c.id, c.created, c.owned_by, c.max_model_len) for c in driver.models()]
     )

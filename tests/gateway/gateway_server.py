@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -47,8 +48,11 @@ def _free_port() -> int:
         return port
 
 
-def start_server(*options: str, startup_timeout_s: float = 30) -> Iterator[Server]:
-    """Options come after `--driver synthetic`, so a later `--driver native` wins."""
+def start_server(
+    *options: str, startup_timeout_s: float = 30, auth: bool = False, env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    """Options come after `--driver synthetic`, so a later `--driver native` wins. Auth is off unless
+    asked for (the tenant tests turn it on and pass DATABASE_URL etc. in `env`)."""
     port = _free_port()
     cmd = [
         SLUICE,
@@ -61,9 +65,12 @@ def start_server(*options: str, startup_timeout_s: float = 30) -> Iterator[Serve
         str(port),
         "--log-level",
         "WARNING",
+        *([] if auth else ["--no-auth"]),
         *options,
     ]
-    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})}
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + startup_timeout_s
     while True:

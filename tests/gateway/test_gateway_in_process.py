@@ -14,7 +14,7 @@ from gateway.settings import Settings
 
 def test_lifetime_cap_cuts_streams_and_whole_responses() -> None:
     driver = SyntheticDriver(tokens_per_second=20, ttft_s=0)
-    app = create_app(Settings(stream_timeout_s=0.3), driver)
+    app = create_app(Settings(stream_timeout_s=0.3, auth=False), driver)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
     with TestClient(app) as client:
         resp = client.post("/v1/chat/completions", json={**body, "stream": True})
@@ -30,7 +30,7 @@ def test_lifetime_cap_cuts_streams_and_whole_responses() -> None:
 
 def test_readyz_is_503_when_the_driver_is_not_ready() -> None:
     driver = SyntheticDriver()
-    with TestClient(create_app(Settings(), driver)) as client:
+    with TestClient(create_app(Settings(auth=False), driver)) as client:
         assert client.get("/readyz").status_code == 200
         asyncio.run(driver.stop())  # no requests in flight: only flips the ready flag
         resp = client.get("/readyz")

@@ -1,0 +1,153 @@
+"""Wire format of the admin API and /v1/usage: request bodies (with their constraints) and replies.
+
+Constraints live here as msgspec `Meta` so a bad body is a 400 naming the
+field and the OpenAPI schema shows the ranges.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+from tenants.models import ApiKey, Tenant
+from tenants.service import UsageReport
+
+Name = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"\S")]
+Priority = Annotated[int, Meta(ge=0, le=2, description="0 premium, 1 standard, 2 batch (lower runs first)")]
+PerMinute = Annotated[int, Meta(ge=1)]
+Status = Literal["active", "suspended"]
+
+
+class TenantCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Name
+    priority: Priority = 1
+    requests_per_minute: PerMinute | None = 60
+    tokens_per_minute: PerMinute | None = 100_000
+    max_concurrent: PerMinute | None = 8
+    monthly_token_budget: PerMinute | None = None  # None: unlimited
+
+
+class TenantUpdate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Only the fields sent change; null sets a limit to unlimited."""
+
+    name: Name | UnsetType = UNSET
+    priority: Priority | UnsetType = UNSET
+    requests_per_minute: PerMinute | None | UnsetType = UNSET
+    tokens_per_minute: PerMinute | None | UnsetType = UNSET
+    max_concurrent: PerMinute | None | UnsetType = UNSET
+    monthly_token_budget: PerMinute | None | UnsetType = UNSET
+    status: Status | UnsetType = UNSET
+
+    def changes(self) -> dict[str, object]:
+        return {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not UNSET}
+
+
+class TenantOut(msgspec.Struct, kw_only=True):
+    id: str
+    name: str
+    priority: int
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    max_concurrent: int | None
+    monthly_token_budget: int | None
+    status: Status
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    object: Literal["tenant"] = "tenant"
+
+    @classmethod
+    def of(cls, t: Tenant) -> TenantOut:
+        return cls(
+            id=t.id,
+            name=t.name,
+            priority=t.priority,
+            requests_per_minute=t.requests_per_minute,
+            tokens_per_minute=t.tokens_per_minute,
+            max_concurrent=t.max_concurrent,
+            monthly_token_budget=t.monthly_token_budget,
+            status="suspended" if t.status == "suspended" else "active",
+            created_at=t.created_at,
+            updated_at=t.updated_at,
+        )
+
+
+class TenantList(msgspec.Struct):
+    data: list[TenantOut]
+    object: Literal["list"] = "list"
+
+
+class KeyCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Name
+    expires_at: dt.datetime | None = None  # with a timezone, e.g. 2030-01-01T00:00:00Z
+
+
+class KeyOut(msgspec.Struct, kw_only=True):
+    """A key as listed: the display prefix only, never the secret."""
+
+    id: str
+    tenant_id: str
+    name: str
+    prefix: str
+    created_at: dt.datetime
+    last_used_at: dt.datetime | None
+    expires_at: dt.datetime | None
+    revoked_at: dt.datetime | None
+    object: Literal["api_key"] = "api_key"
+
+    @classmethod
+    def of(cls, k: ApiKey) -> KeyOut:
+        return cls(
+            id=k.id,
+            tenant_id=k.tenant_id,
+            name=k.name,
+            prefix=k.prefix,
+            created_at=k.created_at,
+            last_used_at=k.last_used_at,
+            expires_at=k.expires_at,
+            revoked_at=k.revoked_at,
+        )
+
+
+class KeyCreated(KeyOut, kw_only=True):
+    key: str  # the secret: shown in this response only
+
+
+class KeyList(msgspec.Struct):
+    data: list[KeyOut]
+    object: Literal["list"] = "list"
+
+
+class UsageBucket(msgspec.Struct):
+    group: str  # YYYY-MM-DD (UTC) or the model id
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class UsageOut(msgspec.Struct, kw_only=True):
+    tenant_id: str
+    start: dt.datetime
+    end: dt.datetime
+    group_by: Literal["day", "model"]
+    data: list[UsageBucket]
+    total_tokens: int
+    object: Literal["usage"] = "usage"
+
+    @classmethod
+    def of(cls, r: UsageReport) -> UsageOut:
+        data = [
+            UsageBucket(g.group, g.requests, g.prompt_tokens, g.completion_tokens, g.total_tokens)
+            for g in r.groups
+        ]
+        return cls(
+            tenant_id=r.tenant_id,
+            start=r.start,
+            end=r.end,
+            group_by=r.group_by,
+            data=data,
+            total_tokens=sum(b.total_tokens for b in data),
+        )

@@ -1,0 +1,140 @@
+"""The admin API (tenants, keys, usage) and a tenant's own usage at /v1/usage.
+
+Handlers translate between the wire schemas and `tenants.service`; the admin
+guard is the `admin` dependency, the tenant one `caller` (see gateway.auth).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Literal
+
+from litestar import Request, delete, get, patch, post
+from litestar.di import NamedDependency
+from litestar.params import Parameter
+
+from gateway.admin_schemas import (
+    KeyCreate,
+    KeyCreated,
+    KeyList,
+    KeyOut,
+    TenantCreate,
+    TenantList,
+    TenantOut,
+    TenantUpdate,
+    UsageOut,
+)
+from gateway.auth import ADMIN_SECURITY, TENANT_SECURITY
+from gateway.tenancy import Tenancy
+from tenants.auth import TenantContext
+from tenants.errors import AuthenticationError
+from tenants.service import TenantService, TenantSpec
+
+GroupBy = Literal["day", "model"]
+Start = Annotated[
+    dt.datetime | None, Parameter(description="inclusive, ISO 8601; default: month start (UTC)")
+]
+End = Annotated[dt.datetime | None, Parameter(description="exclusive, ISO 8601; default: now")]
+
+
+def _tenants(request: Request) -> TenantService:
+    tenancy: Tenancy = request.app.state["tenancy"]
+    return tenancy.tenants
+
+
+@post("/admin/tenants", status_code=201, security=ADMIN_SECURITY, tags=["admin"])
+async def create_tenant(request: Request, data: TenantCreate, admin: NamedDependency[None]) -> TenantOut:
+    spec = TenantSpec(
+        name=data.name,
+        priority=data.priority,
+        requests_per_minute=data.requests_per_minute,
+        tokens_per_minute=data.tokens_per_minute,
+        max_concurrent=data.max_concurrent,
+        monthly_token_budget=data.monthly_token_budget,
+    )
+    return TenantOut.of(await _tenants(request).create_tenant(spec))
+
+
+@get("/admin/tenants", security=ADMIN_SECURITY, tags=["admin"])
+async def list_tenants(request: Request, admin: NamedDependency[None]) -> TenantList:
+    return TenantList([TenantOut.of(t) for t in await _tenants(request).list_tenants()])
+
+
+@get("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"])
+async def get_tenant(request: Request, tenant_id: str, admin: NamedDependency[None]) -> TenantOut:
+    return TenantOut.of(await _tenants(request).get_tenant(tenant_id))
+
+
+@patch("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"])
+async def update_tenant(
+    request: Request, tenant_id: str, data: TenantUpdate, admin: NamedDependency[None]
+) -> TenantOut:
+    """Change limits, tier or name; `{"status": "suspended"}` suspends, `"active"` reactivates."""
+    return TenantOut.of(await _tenants(request).update_tenant(tenant_id, data.changes()))
+
+
+@delete("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"])
+async def delete_tenant(request: Request, tenant_id: str, admin: NamedDependency[None]) -> None:
+    """Deletes the tenant and its keys; its usage records stay (billing history)."""
+    await _tenants(request).delete_tenant(tenant_id)
+
+
+@post("/admin/tenants/{tenant_id:str}/keys", status_code=201, security=ADMIN_SECURITY, tags=["admin"])
+async def create_key(
+    request: Request, tenant_id: str, data: KeyCreate, admin: NamedDependency[None]
+) -> KeyCreated:
+    """The reply's `key` is the secret; it is shown this once and stored only as a hash."""
+    key, secret = await _tenants(request).create_key(tenant_id, data.name, data.expires_at)
+    out = KeyOut.of(key)
+    return KeyCreated(**{f: getattr(out, f) for f in out.__struct_fields__}, key=secret)
+
+
+@get("/admin/tenants/{tenant_id:str}/keys", security=ADMIN_SECURITY, tags=["admin"])
+async def list_keys(request: Request, tenant_id: str, admin: NamedDependency[None]) -> KeyList:
+    return KeyList([KeyOut.of(k) for k in await _tenants(request).list_keys(tenant_id)])
+
+
+@delete("/admin/keys/{key_id:str}", status_code=200, security=ADMIN_SECURITY, tags=["admin"])
+async def revoke_key(request: Request, key_id: str, admin: NamedDependency[None]) -> KeyOut:
+    """Revokes at once in the database; every replica refuses the key within the auth cache TTL (1 s)."""
+    return KeyOut.of(await _tenants(request).revoke_key(key_id))
+
+
+@get("/admin/tenants/{tenant_id:str}/usage", security=ADMIN_SECURITY, tags=["admin"])
+async def tenant_usage(
+    request: Request,
+    tenant_id: str,
+    admin: NamedDependency[None],
+    start: Start = None,
+    end: End = None,
+    group_by: GroupBy = "day",
+) -> UsageOut:
+    return UsageOut.of(await _tenants(request).usage(tenant_id, start, end, group_by))
+
+
+@get("/v1/usage", security=TENANT_SECURITY, tags=["usage"])
+async def own_usage(
+    request: Request,
+    caller: NamedDependency[TenantContext | None],
+    start: Start = None,
+    end: End = None,
+    group_by: GroupBy = "day",
+) -> UsageOut:
+    """The calling tenant's usage; a key can only ever see its own tenant's."""
+    if caller is None:
+        raise AuthenticationError("Usage needs an API key")
+    return UsageOut.of(await _tenants(request).usage(caller.tenant_id, start, end, group_by))
+
+
+ADMIN_ROUTES = [
+    create_tenant,
+    list_tenants,
+    get_tenant,
+    update_tenant,
+    delete_tenant,
+    create_key,
+    list_keys,
+    revoke_key,
+    tenant_usage,
+    own_usage,
+]

@@ -1,0 +1,66 @@
+"""The tenant machinery one gateway process runs: database, authenticators, limiter, usage writer.
+
+Built from `Settings` at the edge and started/stopped by the app's lifespan.
+Startup migrates the database (alembic upgrade head) and sets up the admin
+key; shutdown flushes every usage record and refund before closing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from gateway.admission import TenantGate
+from gateway.settings import Settings
+from ratelimit.base import FailMode, RateLimiter
+from tenants.auth import AdminAuthenticator, KeyAuthenticator
+from tenants.db import create_engine, default_sqlite_url, run_migrations, session_factory
+from tenants.service import TenantService
+from tenants.usage import MonthlyUsage, UsageWriter
+
+log = logging.getLogger("sluice.gateway")
+
+
+def database_url(settings: Settings) -> str:
+    return settings.database_url or default_sqlite_url(settings.data_dir)
+
+
+def create_limiter(settings: Settings) -> RateLimiter:
+    # Imported here: the backends (redis) load only when tenancy is on.
+    from ratelimit.registry import create_rate_limiter
+
+    return create_rate_limiter(settings.redis_url, FailMode(settings.ratelimit_fail_mode))
+
+
+@dataclass
+class Tenancy:
+    engine: AsyncEngine
+    sessions: async_sessionmaker[AsyncSession]
+    tenants: TenantService
+    keys: KeyAuthenticator
+    admin: AdminAuthenticator
+    gate: TenantGate
+    usage: UsageWriter
+
+    @classmethod
+    async def start(cls, settings: Settings) -> tuple[Tenancy, str | None]:
+        """The running tenancy and, on a first start without SLUICE_ADMIN_KEY, the generated admin key."""
+        engine = create_engine(database_url(settings))
+        await run_migrations(engine)
+        sessions = session_factory(engine)
+        admin, generated = await AdminAuthenticator.setup(sessions, settings.admin_key)
+        usage = UsageWriter(sessions, flush_interval_s=settings.usage_flush_interval_s)
+        usage.start()
+        gate = TenantGate(create_limiter(settings), usage, MonthlyUsage(sessions))
+        keys = KeyAuthenticator(sessions, cache_ttl_s=settings.auth_cache_ttl_s)
+        return cls(engine, sessions, TenantService(sessions), keys, admin, gate, usage), generated
+
+    async def stop(self) -> None:
+        await self.gate.close()  # refunds first: they may still be running
+        await self.usage.close()
+        await self.gate.limiter.close()
+        await self.engine.dispose()
+        if self.usage.dropped:
+            log.error("usage records lost", extra={"count": self.usage.dropped})
