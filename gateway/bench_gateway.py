@@ -1,0 +1,171 @@
+"""`sluice bench gateway`: what the HTTP gateway costs over driving the engine directly.
+
+This module owns the gateway-overhead benchmark. In one run it measures output tokens/s for
+the same load twice:
+
+(a) direct: `num_streams` requests of `input_len` random prompt tokens and `output_len`
+    output tokens (ignore_eos) submitted at once to an in-process `LLMEngine`, configured
+    as `sluice serve` configures it, stepped to completion (`engine_native.bench.direct_streams`);
+(b) gateway: the same load through a real `sluice serve --driver native` subprocess on a free
+    port, driven by `bench_serve.run_benchmark` (completions endpoint, random-word prompts of
+    about `input_len` tokens, ignore_eos, `max_concurrency = num_streams`, streaming), started with
+    `--no-auth`: the figure is HTTP + SSE + driver + engine process, without tenant auth, rate limits
+    and usage writes (those need a tenant database and a key).
+
+and prints both and the ratio gateway/direct (target >= 0.9). The server is stopped at the end,
+on error too. The engine is imported lazily, so `sluice --help` does not load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from gateway.bench_serve import BenchConfig, BenchResult, run_benchmark
+
+TARGET_RATIO = 0.9
+
+
+@dataclass(frozen=True)
+class GatewayBenchConfig:
+    num_streams: int = 32
+    input_len: int = 128
+    output_len: int = 128
+    dtype: str = "bfloat16"
+    threads: int = 2
+    model: str | None = None  # None: the bundled model
+    seed: int = 0
+    startup_timeout_s: float = 300.0
+
+
+QUICK = GatewayBenchConfig(num_streams=4, input_len=16, output_len=8)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_server(config: GatewayBenchConfig) -> Iterator[str]:
+    """A `sluice serve` subprocess (its own process group) until the block exits; yields its base URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--driver", "native", "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", config.dtype, "--num-threads", str(config.threads),
+           "--log-level", "WARNING", "--no-auth"]
+    if config.model:
+        cmd += ["--model", config.model]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    base = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile("w+", prefix="sluice-bench-gateway-", suffix=".log") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            _wait_ready(proc, base, config.startup_timeout_s, log_file.name)
+            yield base
+        finally:
+            _stop(proc)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], base: str, timeout_s: float, log_path: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sluice serve exited with {proc.returncode}:\n{_tail(log_path)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/readyz", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"sluice serve not ready after {timeout_s:.0f} s:\n{_tail(log_path)}")
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    with open(path) as f:
+        return f.read()[-chars:]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM lets uvicorn shut the driver (and its engine process) down; the group is killed if it lingers."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the group we created: any engine process left behind
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def through_gateway(config: GatewayBenchConfig) -> BenchResult:
+    with running_server(config) as base:
+        load = BenchConfig(base_url=base, endpoint="completions", num_prompts=config.num_streams,
+                           input_len=config.input_len, output_len=config.output_len, ignore_eos=True,
+                           max_concurrency=config.num_streams, seed=config.seed, progress=False)
+        asyncio.run(run_benchmark(BenchConfig(base_url=base, endpoint="completions", num_prompts=2, input_len=8,
+                                              output_len=4, ignore_eos=True, progress=False)))  # warm-up
+        return asyncio.run(run_benchmark(load))
+
+
+def run(config: GatewayBenchConfig) -> dict[str, Any]:
+    from engine_native.bench import direct_streams  # lazy: torch loads only for this command
+
+    direct = direct_streams(config.model, config.num_streams, config.input_len, config.output_len,
+                            config.dtype, config.threads, config.seed)
+    print(f"direct:  {direct['output_tok_s']:.1f} output tok/s ({direct['duration_s']:.2f} s)", flush=True)
+    served = through_gateway(config)
+    if served.failed or not served.completed:
+        raise RuntimeError(f"gateway run had {served.failed} failed requests: {served.errors}")
+    ratio = served.output_throughput / direct["output_tok_s"] if direct["output_tok_s"] > 0 else 0.0
+    print(f"gateway: {served.output_throughput:.1f} output tok/s ({served.duration_s:.2f} s, "
+          f"{served.total_input_tokens} prompt / {served.total_output_tokens} output tokens)")
+    print(f"ratio gateway/direct: {ratio:.2f} (target >= {TARGET_RATIO}) -> {'met' if ratio >= TARGET_RATIO else 'NOT met'}")
+    load = os.getloadavg()
+    print(f"load average (1/5/15 min): {load} -- figures measured under that load")
+    return {"config": asdict(config), "direct": direct, "gateway": json.loads(served.to_json()),
+            "ratio": ratio, "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO, "load_average": load}
+
+
+def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("gateway", help="gateway overhead: in-process engine vs the same load through sluice serve",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = GatewayBenchConfig()
+    p.add_argument("--num-streams", type=int, default=d.num_streams, help="concurrent requests")
+    p.add_argument("--input-len", type=int, default=d.input_len, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=d.output_len, help="output tokens per request")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=d.dtype, help="engine dtype")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads, both halves")
+    p.add_argument("--model", default=None, help="model path; default: the bundled model")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
+    p.add_argument("--json-out", default=None, help="also write the results as JSON here")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace, _env: object) -> int:
+    if args.quick:
+        config = GatewayBenchConfig(**{**asdict(QUICK), "dtype": args.dtype, "threads": args.threads,
+                                       "model": args.model})
+    else:
+        config = GatewayBenchConfig(num_streams=args.num_streams, input_len=args.input_len,
+                                    output_len=args.output_len, dtype=args.dtype, threads=args.threads,
+                                    model=args.model)
+    report = run(config)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
