@@ -32,12 +32,15 @@ def fake_run(sched: SchedulerOutput, eos_at: dict[str, int] | None = None) -> Ru
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, **cfg: int) -> Scheduler:
-    config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32,
-                                "long_prefill_token_threshold": 16, **cfg})
+    config = SchedulerConfig(
+        **{"max_num_seqs": 8, "max_num_batched_tokens": 32, "long_prefill_token_threshold": 16, **cfg}
+    )
     return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len=4096)
 
 
-def make_request(rid: str, n_prompt: int, max_tokens: int = 8, priority: int = 0, arrival: float = 0.0) -> Request:
+def make_request(
+    rid: str, n_prompt: int, max_tokens: int = 8, priority: int = 0, arrival: float = 0.0
+) -> Request:
     return Request(
         request_id=rid,
         prompt_token_ids=[5] * n_prompt,
@@ -171,8 +174,11 @@ def test_the_latest_arrival_is_preempted_first_and_priority_protects() -> None:
 
 def test_waiting_queue_is_fcfs_within_priority() -> None:
     s = make_scheduler(max_num_seqs=1)
-    order = [make_request("b", 4, 1, priority=1, arrival=0.0), make_request("a2", 4, 1, priority=0, arrival=2.0),
-             make_request("a1", 4, 1, priority=0, arrival=1.0)]
+    order = [
+        make_request("b", 4, 1, priority=1, arrival=0.0),
+        make_request("a2", 4, 1, priority=0, arrival=2.0),
+        make_request("a1", 4, 1, priority=0, arrival=1.0),
+    ]
     for r in order:
         s.add_request(r)
     started = []
@@ -219,8 +225,13 @@ def test_abort_frees_blocks_wherever_the_request_is() -> None:
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.s = make_scheduler(num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
-                                long_prefill_token_threshold=8)
+        self.s = make_scheduler(
+            num_blocks=24,
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=24,
+            long_prefill_token_threshold=8,
+        )
         self.n = 0
         self.all: list[Request] = []
 
