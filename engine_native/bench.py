@@ -230,7 +230,10 @@ class HFBaseline:
 
 # ----- the run -----------------------------------------------------------------------------------
 
-_NAMES = {1: "32 x 128/128 at once", 2: "64 mixed lengths", 3: "1 request 128/128", 4: "TTFT 512-token prompt"}
+def _names(sizes: Sizes) -> dict[int, str]:
+    p, o = sizes.uniform_len
+    return {1: f"{sizes.n_uniform} x {p}/{o} at once", 2: f"{sizes.n_mixed} mixed lengths",
+            3: f"1 request {p}/{o}", 4: f"TTFT {sizes.ttft_prompt}-token prompt"}
 
 
 def _median_of(n: int, fn: Callable[[], float]) -> float:
@@ -240,12 +243,14 @@ def _median_of(n: int, fn: Callable[[], float]) -> float:
 def run_scenarios(engine: LLMEngine, hf: HFBaseline | None, works: dict[int, Workload], scenarios: Sequence[int],
                   sizes: Sizes) -> list[ScenarioResult]:
     results = []
+    names = _names(sizes)
     for sid in scenarios:
         work = works[sid]
+        load = os.getloadavg()[0]
         if sid == 4:
             ours = _median_of(3, functools.partial(ours_ttft, engine, work.prompts[0]))
             theirs = _median_of(3, functools.partial(hf.ttft, work.prompts[0])) if hf else None
-            result = ScenarioResult(sid, _NAMES[sid], "s", ours, theirs, "<= 0.4 s", ours <= 0.4,
+            result = ScenarioResult(sid, names[sid], "s", ours, theirs, "<= 0.4 s", ours <= 0.4,
                                     {"prompt_tokens": len(work.prompts[0]), "runs": 3, "statistic": "median"})
         else:
             rate, secs, toks = ours_throughput(engine, work)
@@ -259,7 +264,8 @@ def run_scenarios(engine: LLMEngine, hf: HFBaseline | None, works: dict[int, Wor
                 details.update(hf_s=hf_secs, hf_batch_size=batch)
             target, met = {1: ("ours >= 480 tok/s", rate >= 480), 3: ("ours >= 60 tok/s", rate >= 60)}.get(
                 sid, ("ours >= 4x HF", None if theirs is None else rate >= 4 * theirs))
-            result = ScenarioResult(sid, _NAMES[sid], "tok/s", rate, theirs, target, met, details)
+            result = ScenarioResult(sid, names[sid], "tok/s", rate, theirs, target, met, details)
+        result.details["load_average_1min_at_start"] = load
         print(f"  scenario {sid} done: ours {result.ours:.3f} {result.unit}"
               + (f", HF {result.hf:.3f}" if result.hf is not None else ""), flush=True)
         results.append(result)
