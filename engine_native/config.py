@@ -61,6 +61,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
     long_prefill_token_threshold: int = 256  # a single prompt never takes more than this per step
     max_waiting: int = 1024  # bound of the waiting queue; add_request beyond it is refused
+    # Fair-share weights of tenants within one priority (default 1.0): a tenant of weight 2 gets
+    # twice the tokens of a tenant of weight 1 when both have work waiting.
+    tenant_weights: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

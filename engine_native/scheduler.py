@@ -15,12 +15,11 @@ token; so recompute after preemption never repeats or drops a token.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import time
 from dataclasses import dataclass, field
 
 from engine_native.config import SchedulerConfig
+from engine_native.fair_queue import FairShare, WaitingQueue, tenant_of
 from engine_native.kv_cache_manager import KVCacheManager, cdiv
 from engine_native.request import Request, RequestStatus
 from engine_native.sampler import TokenLogprobs
@@ -75,42 +74,6 @@ class QueueFullError(Exception):
     """The waiting queue is at its bound; the caller should retry later."""
 
 
-class WaitingQueue:
-    """Requests ordered by (priority, arrival); FCFS within a priority value."""
-
-    def __init__(self) -> None:
-        self._keys: list[tuple[int, float, int]] = []
-        self._requests: list[Request] = []
-        self._counter = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self._requests)
-
-    def push(self, request: Request) -> None:
-        key = (request.priority, request.arrival_time, next(self._counter))
-        i = bisect.bisect_right(self._keys, key)
-        self._keys.insert(i, key)
-        self._requests.insert(i, request)
-
-    def peek(self) -> Request:
-        return self._requests[0]
-
-    def pop(self) -> Request:
-        self._keys.pop(0)
-        return self._requests.pop(0)
-
-    def remove(self, request: Request) -> bool:
-        for i, r in enumerate(self._requests):
-            if r is request:
-                del self._requests[i]
-                del self._keys[i]
-                return True
-        return False
-
-
 def _victim_order(request: Request) -> tuple[int, float]:
     """Larger = preempted first: least important priority, then most recent arrival."""
     return (request.priority, request.arrival_time)
@@ -121,7 +84,8 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
-        self.waiting = WaitingQueue()
+        self.fair_share = FairShare(config.tenant_weights)
+        self.waiting = WaitingQueue(self.fair_share)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -199,21 +163,52 @@ class Scheduler:
                 continue
             break  # the request preempted itself: nothing after it can fit either
 
-        # New work joins only if nothing had to be preempted this step (avoids thrashing).
-        if not out.preempted_ids:
-            while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting.peek()
-                n_new = min(request.num_tokens_to_compute, chunk_cap, budget)
-                if self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + n_new) is None:
+        # New work joins only if nothing had to be preempted for room this step (it would take the
+        # blocks just freed and thrash); a more important request gets its turn next step.
+        if out.preempted_ids:
+            return out
+        while len(self.waiting) and budget > 0:
+            request = self.waiting.peek()
+            # At the running cap or out of blocks, a more important request preempts less important ones.
+            if len(self.running) >= self.config.max_num_seqs:
+                restored = self._preempt_less_important(request, out)
+                if restored is None:
                     break
-                self.waiting.pop()
-                request.status = RequestStatus.RUNNING
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = time.time()
-                self.running.append(request)
-                out.scheduled.append(ScheduledRequest(request, n_new, request.num_computed_tokens))
-                budget -= n_new
+                budget += restored
+                continue
+            n_new = min(request.num_tokens_to_compute, chunk_cap, budget)
+            if self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + n_new) is None:
+                restored = self._preempt_less_important(request, out)
+                if restored is None:
+                    break
+                budget += restored
+                continue
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, n_new, request.num_computed_tokens))
+            budget -= n_new
         return out
+
+    def _preempt_less_important(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Preempt the least important running request if it is strictly less important than
+        `request`; un-schedule it if it was scheduled this step. Returns the step tokens given back,
+        or None when there is no such request."""
+        candidates = [r for r in self.running if r.priority > request.priority]
+        if not candidates:
+            return None
+        victim = max(candidates, key=_victim_order)
+        restored = 0
+        for i, s in enumerate(out.scheduled):
+            if s.request is victim:
+                restored = s.num_new_tokens
+                del out.scheduled[i]
+                break
+        self._preempt(victim)
+        out.preempted_ids.append(victim.request_id)
+        return restored
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -230,6 +225,7 @@ class Scheduler:
         for s in sched.scheduled:
             request = s.request
             request.num_computed_tokens = s.num_computed_before + s.num_new_tokens
+            self.fair_share.charge(tenant_of(request), s.num_new_tokens)
             if not s.samples:
                 self.num_prefill_chunks += 1
                 request.num_prefill_chunks += 1

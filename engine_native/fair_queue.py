@@ -1,0 +1,113 @@
+"""The waiting queue: strict priority between tiers, weighted fair sharing between tenants within one.
+
+Within a priority value the next request comes from the tenant that has been
+served the fewest weighted tokens (a virtual token counter, as in "Fairness in
+Serving Large Language Models", Sheng et al. 2024): every computed token charges
+its tenant `1 / weight`, so over time tenants of one tier get service in
+proportion to their weights, and a tenant flooding the queue cannot starve
+another. Within a tenant it is FCFS by arrival.
+
+A tenant that comes back after being idle has its counter lifted to the least
+counter of the tenants that are waiting, so that idling does not bank credit.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterator, Mapping
+
+from engine_native.request import Request
+
+DEFAULT_TENANT = ""
+
+
+def tenant_of(request: Request) -> str:
+    return request.tenant_id or DEFAULT_TENANT
+
+
+class FairShare:
+    """Virtual token counters per tenant."""
+
+    def __init__(self, weights: Mapping[str, float] | None = None) -> None:
+        self.weights = dict(weights or {})
+        self.counters: dict[str, float] = {}
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens / self.weight(tenant)
+
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def lift(self, tenant: str, floor: float) -> None:
+        if self.counters.get(tenant, 0.0) < floor:
+            self.counters[tenant] = floor
+
+
+class WaitingQueue:
+    """priority -> tenant -> requests ordered by (arrival, insertion)."""
+
+    def __init__(self, fair_share: FairShare) -> None:
+        self.fair_share = fair_share
+        self._tiers: dict[int, dict[str, list[tuple[tuple[float, int], Request]]]] = {}
+        self._counter = itertools.count()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Request]:
+        for priority in sorted(self._tiers):
+            for queue in self._tiers[priority].values():
+                for _, request in queue:
+                    yield request
+
+    def push(self, request: Request) -> None:
+        tenants = self._tiers.setdefault(request.priority, {})
+        tenant = tenant_of(request)
+        if tenant not in tenants:
+            waiting = [self.fair_share.counter(t) for t in tenants]
+            if waiting:
+                self.fair_share.lift(tenant, min(waiting))
+        queue = tenants.setdefault(tenant, [])
+        entry = ((request.arrival_time, next(self._counter)), request)
+        bisect.insort(queue, entry, key=lambda e: e[0])
+        self._len += 1
+
+    def _next(self) -> tuple[int, str]:
+        priority = min(self._tiers)
+        tenants = self._tiers[priority]
+        # Least weighted service first; ties go to the tenant whose head arrived first.
+        tenant = min(tenants, key=lambda t: (self.fair_share.counter(t), tenants[t][0][0]))
+        return priority, tenant
+
+    def peek(self) -> Request:
+        priority, tenant = self._next()
+        return self._tiers[priority][tenant][0][1]
+
+    def pop(self) -> Request:
+        priority, tenant = self._next()
+        return self._take(priority, tenant, 0)
+
+    def remove(self, request: Request) -> bool:
+        queue = self._tiers.get(request.priority, {}).get(tenant_of(request))
+        if queue is None:
+            return False
+        for i, (_, r) in enumerate(queue):
+            if r is request:
+                self._take(request.priority, tenant_of(request), i)
+                return True
+        return False
+
+    def _take(self, priority: int, tenant: str, index: int) -> Request:
+        tenants = self._tiers[priority]
+        _, request = tenants[tenant].pop(index)
+        if not tenants[tenant]:
+            del tenants[tenant]
+            if not tenants:
+                del self._tiers[priority]
+        self._len -= 1
+        return request
