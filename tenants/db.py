@@ -81,3 +81,24 @@ async def run_migrations(engine: AsyncEngine, revision: str = "head") -> None:
 async def downgrade(engine: AsyncEngine, revision: str = "base") -> None:
     async with engine.begin() as conn:
         await conn.run_sync(_alembic, revision, False)
+
+
+async def create_postgres_database(url: str) -> None:
+    """CREATE DATABASE for `url`'s database, connecting to the server's `postgres` database
+    (provisioning a fresh tenant database: a new deployment, a test session)."""
+    await _on_server(url, "CREATE DATABASE {}")
+
+
+async def drop_postgres_database(url: str) -> None:
+    await _on_server(url, "DROP DATABASE IF EXISTS {} WITH (FORCE)")
+
+
+async def _on_server(url: str, statement: str) -> None:
+    target = make_url(async_url(url))
+    engine = create_async_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as conn:
+            quoted = conn.dialect.identifier_preparer.quote(target.database or "")
+            await conn.execute(text(statement.format(quoted)))
+    finally:
+        await engine.dispose()

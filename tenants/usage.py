@@ -10,6 +10,7 @@ must never stall inference.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import logging
 import time
@@ -52,6 +53,7 @@ class UsageWriter:
         self._queue: asyncio.Queue[UsageEvent] = asyncio.Queue(max_queue)
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._wake = asyncio.Event()
         self.dropped = 0
         self.written = 0
 
@@ -61,6 +63,8 @@ class UsageWriter:
     def record(self, event: UsageEvent) -> None:
         try:
             self._queue.put_nowait(event)
+            if self._queue.qsize() >= self.batch_size:
+                self._wake.set()
         except asyncio.QueueFull:
             self.dropped += 1
             log.error("usage queue full, record dropped", extra={"request_id": event.request_id})
@@ -68,30 +72,20 @@ class UsageWriter:
     async def close(self) -> None:
         """Write everything queued so far, then stop."""
         self._closing = True
+        self._wake.set()
         if self._task is not None:
             await self._task
             self._task = None
         await self._write(self._drain(self.batch_size * 1000))  # records that raced the writer's exit
 
     async def _run(self) -> None:
-        while True:
-            await self._write(await self._next_batch())
-            if self._closing and self._queue.empty():
-                return
-
-    async def _next_batch(self) -> list[UsageEvent]:
-        batch: list[UsageEvent] = []
-        deadline = time.monotonic() + self.flush_interval_s
-        while len(batch) < self.batch_size:
-            batch.extend(self._drain(self.batch_size - len(batch)))
-            remaining = deadline - time.monotonic()
-            if self._closing or remaining <= 0 or len(batch) >= self.batch_size:
-                break
-            try:  # a timed wait, so close() is noticed within one interval even when idle
-                batch.append(await asyncio.wait_for(self._queue.get(), remaining))
-            except TimeoutError:
-                break
-        return batch
+        while not (self._closing and self._queue.empty()):
+            if self._queue.qsize() < self.batch_size and not self._closing:
+                # Sleep one interval unless a full batch or close() wakes us earlier.
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.flush_interval_s)
+            await self._write(self._drain(self.batch_size))
 
     def _drain(self, limit: int) -> list[UsageEvent]:
         out: list[UsageEvent] = []

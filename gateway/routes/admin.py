@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from litestar import Request, delete, get, patch, post
 from litestar.di import NamedDependency
-from litestar.params import Parameter
+from litestar.params import FromPath, JSONBody, QueryParameter
 
 from gateway.admin_schemas import (
     KeyCreate,
@@ -32,9 +32,9 @@ from tenants.service import TenantService, TenantSpec
 
 GroupBy = Literal["day", "model"]
 Start = Annotated[
-    dt.datetime | None, Parameter(description="inclusive, ISO 8601; default: month start (UTC)")
+    dt.datetime | None, QueryParameter(description="inclusive, ISO 8601; default: month start (UTC)")
 ]
-End = Annotated[dt.datetime | None, Parameter(description="exclusive, ISO 8601; default: now")]
+End = Annotated[dt.datetime | None, QueryParameter(description="exclusive, ISO 8601; default: now")]
 
 
 def _tenants(request: Request) -> TenantService:
@@ -43,7 +43,9 @@ def _tenants(request: Request) -> TenantService:
 
 
 @post("/admin/tenants", status_code=201, security=ADMIN_SECURITY, tags=["admin"])
-async def create_tenant(request: Request, data: TenantCreate, admin: NamedDependency[None]) -> TenantOut:
+async def create_tenant(
+    request: Request, data: JSONBody[TenantCreate], admin: NamedDependency[None]
+) -> TenantOut:
     spec = TenantSpec(
         name=data.name,
         priority=data.priority,
@@ -61,27 +63,27 @@ async def list_tenants(request: Request, admin: NamedDependency[None]) -> Tenant
 
 
 @get("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"])
-async def get_tenant(request: Request, tenant_id: str, admin: NamedDependency[None]) -> TenantOut:
+async def get_tenant(request: Request, tenant_id: FromPath[str], admin: NamedDependency[None]) -> TenantOut:
     return TenantOut.of(await _tenants(request).get_tenant(tenant_id))
 
 
 @patch("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"])
 async def update_tenant(
-    request: Request, tenant_id: str, data: TenantUpdate, admin: NamedDependency[None]
+    request: Request, tenant_id: FromPath[str], data: JSONBody[TenantUpdate], admin: NamedDependency[None]
 ) -> TenantOut:
     """Change limits, tier or name; `{"status": "suspended"}` suspends, `"active"` reactivates."""
     return TenantOut.of(await _tenants(request).update_tenant(tenant_id, data.changes()))
 
 
 @delete("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"])
-async def delete_tenant(request: Request, tenant_id: str, admin: NamedDependency[None]) -> None:
+async def delete_tenant(request: Request, tenant_id: FromPath[str], admin: NamedDependency[None]) -> None:
     """Deletes the tenant and its keys; its usage records stay (billing history)."""
     await _tenants(request).delete_tenant(tenant_id)
 
 
 @post("/admin/tenants/{tenant_id:str}/keys", status_code=201, security=ADMIN_SECURITY, tags=["admin"])
 async def create_key(
-    request: Request, tenant_id: str, data: KeyCreate, admin: NamedDependency[None]
+    request: Request, tenant_id: FromPath[str], data: JSONBody[KeyCreate], admin: NamedDependency[None]
 ) -> KeyCreated:
     """The reply's `key` is the secret; it is shown this once and stored only as a hash."""
     key, secret = await _tenants(request).create_key(tenant_id, data.name, data.expires_at)
@@ -90,12 +92,12 @@ async def create_key(
 
 
 @get("/admin/tenants/{tenant_id:str}/keys", security=ADMIN_SECURITY, tags=["admin"])
-async def list_keys(request: Request, tenant_id: str, admin: NamedDependency[None]) -> KeyList:
+async def list_keys(request: Request, tenant_id: FromPath[str], admin: NamedDependency[None]) -> KeyList:
     return KeyList([KeyOut.of(k) for k in await _tenants(request).list_keys(tenant_id)])
 
 
 @delete("/admin/keys/{key_id:str}", status_code=200, security=ADMIN_SECURITY, tags=["admin"])
-async def revoke_key(request: Request, key_id: str, admin: NamedDependency[None]) -> KeyOut:
+async def revoke_key(request: Request, key_id: FromPath[str], admin: NamedDependency[None]) -> KeyOut:
     """Revokes at once in the database; every replica refuses the key within the auth cache TTL (1 s)."""
     return KeyOut.of(await _tenants(request).revoke_key(key_id))
 
@@ -103,11 +105,11 @@ async def revoke_key(request: Request, key_id: str, admin: NamedDependency[None]
 @get("/admin/tenants/{tenant_id:str}/usage", security=ADMIN_SECURITY, tags=["admin"])
 async def tenant_usage(
     request: Request,
-    tenant_id: str,
+    tenant_id: FromPath[str],
     admin: NamedDependency[None],
     start: Start = None,
     end: End = None,
-    group_by: GroupBy = "day",
+    group_by: Annotated[GroupBy, QueryParameter()] = "day",
 ) -> UsageOut:
     return UsageOut.of(await _tenants(request).usage(tenant_id, start, end, group_by))
 
@@ -118,7 +120,7 @@ async def own_usage(
     caller: NamedDependency[TenantContext | None],
     start: Start = None,
     end: End = None,
-    group_by: GroupBy = "day",
+    group_by: Annotated[GroupBy, QueryParameter()] = "day",
 ) -> UsageOut:
     """The calling tenant's usage; a key can only ever see its own tenant's."""
     if caller is None:

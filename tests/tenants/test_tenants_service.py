@@ -1,0 +1,172 @@
+"""Tenant administration, key authentication, usage writing and the admin key, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import uuid
+from collections.abc import Awaitable, Callable
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from tenants.auth import AdminAuthenticator, KeyAuthenticator
+from tenants.db import create_engine, run_migrations, session_factory
+from tenants.errors import AuthenticationError, ConflictError, NotFoundError, PermissionDeniedError
+from tenants.keys import hash_key
+from tenants.models import AdminCredential, ApiKey, UsageRecord
+from tenants.service import TenantService, TenantSpec
+from tenants.usage import MonthlyUsage, UsageEvent, UsageWriter
+
+Sessions = async_sessionmaker[AsyncSession]
+
+
+def run(db_url: str, scenario: Callable[[Sessions], Awaitable[None]]) -> None:
+    async def main() -> None:
+        engine = create_engine(db_url)
+        await run_migrations(engine)
+        try:
+            await scenario(session_factory(engine))
+        finally:
+            await engine.dispose()
+
+    asyncio.run(main())
+
+
+def unique(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def test_tenant_crud_and_unique_names(db_url: str) -> None:
+    async def scenario(sessions: Sessions) -> None:
+        service = TenantService(sessions)
+        name = unique("acme")
+        tenant = await service.create_tenant(TenantSpec(name=name, priority=0, requests_per_minute=5))
+        assert (tenant.priority, tenant.requests_per_minute, tenant.status) == (0, 5, "active")
+        with pytest.raises(ConflictError):
+            await service.create_tenant(TenantSpec(name=name))
+        assert tenant.id in {t.id for t in await service.list_tenants()}
+        updated = await service.update_tenant(tenant.id, {"status": "suspended", "tokens_per_minute": None})
+        assert (updated.status, updated.tokens_per_minute, updated.requests_per_minute) == (
+            "suspended",
+            None,
+            5,
+        )
+        assert (await service.get_tenant(tenant.id)).status == "suspended"
+        await service.delete_tenant(tenant.id)
+        with pytest.raises(NotFoundError):
+            await service.get_tenant(tenant.id)
+        with pytest.raises(NotFoundError):
+            await service.create_key(tenant.id, "k")
+
+    run(db_url, scenario)
+
+
+def test_keys_are_stored_hashed_and_authenticate(db_url: str) -> None:
+    async def scenario(sessions: Sessions) -> None:
+        service = TenantService(sessions)
+        tenant = await service.create_tenant(TenantSpec(name=unique("keys"), priority=2, max_concurrent=3))
+        key, secret = await service.create_key(tenant.id, "laptop")
+        assert secret.startswith("sk-sluice-") and len(secret) > 40
+        assert key.prefix == secret[: len(key.prefix)] and len(key.prefix) >= 12
+        async with sessions() as session:
+            stored = await session.get(ApiKey, key.id)
+        assert stored is not None and stored.key_hash == hash_key(secret) and secret not in stored.key_hash
+
+        auth = KeyAuthenticator(sessions, cache_ttl_s=0.0)  # no cache: every check hits the database
+        caller = await auth.authenticate(secret)
+        assert (caller.tenant_id, caller.key_id, caller.priority) == (tenant.id, key.id, 2)
+        assert caller.limits.max_concurrent == 3
+        for bad in (None, "", "sk-sluice-nope", secret + "x"):
+            with pytest.raises(AuthenticationError):
+                await auth.authenticate(bad)
+
+        await service.update_tenant(tenant.id, {"status": "suspended"})
+        with pytest.raises(PermissionDeniedError):
+            await auth.authenticate(secret)
+        await service.update_tenant(tenant.id, {"status": "active"})
+        await auth.authenticate(secret)
+
+        await service.revoke_key(key.id)
+        with pytest.raises(AuthenticationError, match="revoked"):
+            await auth.authenticate(secret)
+        assert [k.revoked_at is not None for k in await service.list_keys(tenant.id)] == [True]
+
+        past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+        _, expired = await service.create_key(tenant.id, "old", expires_at=past)
+        with pytest.raises(AuthenticationError, match="expired"):
+            await auth.authenticate(expired)
+
+    run(db_url, scenario)
+
+
+def test_key_cache_serves_within_ttl_then_sees_revocation(db_url: str) -> None:
+    async def scenario(sessions: Sessions) -> None:
+        service = TenantService(sessions)
+        tenant = await service.create_tenant(TenantSpec(name=unique("cache")))
+        key, secret = await service.create_key(tenant.id, "k")
+        auth = KeyAuthenticator(sessions, cache_ttl_s=0.3)
+        await asyncio.gather(*(auth.authenticate(secret) for _ in range(20)))  # one DB read, shared
+        await service.revoke_key(key.id)
+        await auth.authenticate(secret)  # still cached: accepted for at most the TTL
+        await asyncio.sleep(0.35)
+        with pytest.raises(AuthenticationError):
+            await auth.authenticate(secret)
+
+    run(db_url, scenario)
+
+
+def test_usage_writer_batches_flushes_on_close_and_reports(db_url: str) -> None:
+    async def scenario(sessions: Sessions) -> None:
+        service = TenantService(sessions)
+        tenant = await service.create_tenant(TenantSpec(name=unique("usage"), monthly_token_budget=1000))
+        key, _ = await service.create_key(tenant.id, "k")
+        # A long interval and a big batch: only close() can write these rows.
+        writer = UsageWriter(sessions, batch_size=10_000, flush_interval_s=60.0)
+        writer.start()
+        for i in range(250):
+            model = "a" if i % 2 else "b"
+            writer.record(UsageEvent(f"r{i}", tenant.id, key.id, model, 3, i % 7, 1.0, 2.0, "ok"))
+        await asyncio.sleep(0.05)
+        assert await _count(sessions, tenant.id) == 0
+        await writer.close()
+        assert await _count(sessions, tenant.id) == 250 and writer.dropped == 0
+
+        expected = {m: sum(3 + i % 7 for i in range(250) if ("a" if i % 2 else "b") == m) for m in "ab"}
+        by_model = await service.usage(tenant.id, None, None, "model")
+        assert {g.group: g.total_tokens for g in by_model.groups} == expected
+        assert {g.group: g.requests for g in by_model.groups} == {"a": 125, "b": 125}
+        by_day = await service.usage(tenant.id, None, None, "day")
+        assert [g.group for g in by_day.groups] == [dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")]
+        assert by_day.groups[0].total_tokens == sum(expected.values())
+        tomorrow = dt.datetime.now(dt.UTC) + dt.timedelta(days=1)
+        later = await service.usage(tenant.id, tomorrow, tomorrow + dt.timedelta(days=1), "day")
+        assert later.groups == []
+        assert await MonthlyUsage(sessions).used(tenant.id) == sum(expected.values())
+        assert (await service.list_keys(tenant.id))[0].last_used_at is not None
+
+    run(db_url, scenario)
+
+
+def test_admin_key_is_generated_once_and_stored_hashed(db_url: str) -> None:
+    async def scenario(sessions: Sessions) -> None:
+        async with sessions.begin() as session:  # a fresh deployment for this test
+            await session.execute(AdminCredential.__table__.delete())
+        first, generated = await AdminAuthenticator.setup(sessions, None)
+        assert generated is not None and first.is_admin(generated)
+        again, none = await AdminAuthenticator.setup(sessions, None)
+        assert none is None and again.is_admin(generated) and not again.is_admin(generated + "x")
+        async with sessions() as session:
+            stored = await session.get(AdminCredential, 1)
+        assert stored is not None and stored.key_hash == hash_key(generated)
+        configured, none = await AdminAuthenticator.setup(sessions, "my-admin-key")
+        assert none is None and configured.is_admin("my-admin-key") and not configured.is_admin(generated)
+
+    run(db_url, scenario)
+
+
+async def _count(sessions: Sessions, tenant_id: str) -> int:
+    async with sessions() as session:
+        query = select(func.count()).select_from(UsageRecord).where(UsageRecord.tenant_id == tenant_id)
+        return int((await session.execute(query)).scalar_one())
