@@ -41,6 +41,9 @@ class Settings:
     ratelimit_fail_mode: str = "open"
     """What to do when Redis is unreachable: "open" admits, "closed" refuses with 503
     (SLUICE_RATELIMIT_FAIL_MODE)."""
+    ratelimit_timeout_s: float = 0.25
+    """Longest a Redis rate-limit call may take before it counts as an outage and the fail mode
+    decides (SLUICE_RATELIMIT_TIMEOUT_MS / 1000)."""
     auth_cache_ttl_s: float = 1.0
     """How long a key lookup is cached; bounds how late a revocation takes effect
     (SLUICE_AUTH_CACHE_TTL_S)."""
@@ -68,6 +71,8 @@ class Settings:
             redis_url=e.get("REDIS_URL") or d.redis_url,
             admin_key=e.get("SLUICE_ADMIN_KEY") or d.admin_key,
             ratelimit_fail_mode=e.get("SLUICE_RATELIMIT_FAIL_MODE", d.ratelimit_fail_mode).lower(),
+            ratelimit_timeout_s=float(e.get("SLUICE_RATELIMIT_TIMEOUT_MS", d.ratelimit_timeout_s * 1000))
+            / 1000,
             auth_cache_ttl_s=float(e.get("SLUICE_AUTH_CACHE_TTL_S", d.auth_cache_ttl_s)),
             usage_flush_interval_s=float(e.get("SLUICE_USAGE_FLUSH_MS", d.usage_flush_interval_s * 1000))
             / 1000,

@@ -31,7 +31,9 @@ def create_limiter(settings: Settings) -> RateLimiter:
     # Imported here: the backends (redis) load only when tenancy is on.
     from ratelimit.registry import create_rate_limiter
 
-    return create_rate_limiter(settings.redis_url, FailMode(settings.ratelimit_fail_mode))
+    return create_rate_limiter(
+        settings.redis_url, FailMode(settings.ratelimit_fail_mode), timeout_s=settings.ratelimit_timeout_s
+    )
 
 
 @dataclass
