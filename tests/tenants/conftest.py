@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from tenant_db import fresh_pg_url
 
 from tenants.db import create_postgres_database, drop_postgres_database

@@ -6,9 +6,9 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from tenant_db import fresh_pg_url
 from sqlalchemy import inspect
 from sqlalchemy.ext.asyncio import AsyncEngine
+from tenant_db import fresh_pg_url
 
 from tenants.db import (
     create_engine,
