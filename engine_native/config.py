@@ -50,7 +50,8 @@ class CacheConfig:
     num_blocks: int | None = None
     memory_bytes: int | None = None
     memory_fraction: float = 0.25  # of the host memory available at start, when neither is set
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True  # reuse full KV blocks of identical prefixes
+    share_prefix_across_tenants: bool = False  # when False, a tenant id salts every block hash
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,12 @@ class LLMEngine:
         kv = KVCache.allocate(
             model_cfg.num_layers, num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim, kv_dtype
         )
-        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.kv_cache = KVCacheManager(
+            num_blocks,
+            block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            share_prefix_across_tenants=config.cache.share_prefix_across_tenants,
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, kv, block_size)
         self.model_name = config.served_model_name or model_cfg.name
@@ -226,6 +231,7 @@ class LLMEngine:
             kv_blocks_total=usage.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefill_chunks=self.scheduler.num_prefill_chunks,
+            prefix_cache_hit_rate=self.kv_cache.prefix_hit_rate,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             generation_tokens_per_s=rate,

@@ -11,14 +11,24 @@ Invariant (checked by `check_integrity`, run by the tests after every step):
     num_free + num_used == num_blocks
     every used block's ref count == the number of block tables that hold it
     no free block is held by any request; no block appears twice in one table
+    the prefix-cache index and the blocks' own hashes agree
 
-Reference counts are there so that a later prefix cache can share full
-blocks between requests without changing this interface.
+Prefix caching (when enabled): every full block of a request is named by a
+hash chain, hash(parent block's hash, the block's token ids, a salt). The salt
+is the tenant id, so tenants never share cache unless configured to. A new
+request first looks up the longest run of its full blocks already in the cache
+and takes them with a reference (no compute); blocks whose reference count drops
+to zero stay cached on the free list and are evicted least-recently-freed first
+when a block is needed.
+
+    block table:  | cached, shared (ref >= 1) | own, computed | own, being filled |
+                  |<-- num_cached_tokens -->|
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 
@@ -27,15 +37,18 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockPool:
-    """Free list and reference counts of the physical blocks."""
+    """Free list (in eviction order), reference counts and the prefix-cache index of the blocks."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
-        # Low ids first, so that a fresh engine's tables are easy to read in logs.
-        self._free: deque[int] = deque(range(num_blocks))
+        # Low ids first, so that a fresh engine's tables are easy to read in logs. The head is
+        # evicted first: blocks are appended when their last reference goes.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_hash: list[Hashable | None] = [None] * num_blocks
+        self.cached: dict[Hashable, int] = {}  # block hash -> block id
 
     @property
     def num_free(self) -> int:
@@ -44,10 +57,20 @@ class BlockPool:
     def take(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks with {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            self._evict(b)
             self.ref_cnt[b] = 1
+            blocks.append(b)
         return blocks
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take another reference to cached blocks, pulling unreferenced ones off the free list."""
+        for b in blocks:
+            if self.ref_cnt[b] == 0:
+                del self._free[b]
+            self.ref_cnt[b] += 1
 
     def release(self, blocks: list[int]) -> None:
         for b in blocks:
@@ -55,7 +78,19 @@ class BlockPool:
                 raise RuntimeError(f"block {b} released more often than taken")
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    def register(self, block: int, block_hash: Hashable) -> None:
+        """Name a full, computed block; a hash already owned by another block is left alone."""
+        if block_hash not in self.cached and self.block_hash[block] is None:
+            self.cached[block_hash] = block
+            self.block_hash[block] = block_hash
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            del self.cached[h]
+            self.block_hash[block] = None
 
     def free_block_ids(self) -> list[int]:
         return list(self._free)
@@ -74,10 +109,33 @@ class KVCacheUsage:
 class KVCacheManager:
     """Per-request block tables on top of a BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        share_prefix_across_tenants: bool = False,
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.share_prefix_across_tenants = share_prefix_across_tenants
         self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[Hashable]] = {}  # hash chain of each request's full blocks
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found cached
+
+    def salt(self, tenant_id: str | None) -> str | None:
+        """The hash-chain seed of a tenant's blocks: its id, unless tenants share the cache."""
+        return None if self.share_prefix_across_tenants else tenant_id
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     @property
     def num_blocks(self) -> int:
@@ -97,18 +155,61 @@ class KVCacheManager:
         """Extra blocks the request needs so that `num_total_tokens` tokens fit."""
         return max(0, cdiv(num_total_tokens, self.block_size) - len(self.block_table(request_id)))
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int) -> list[int] | None:
-        """Grow the request's table to hold `num_total_tokens` tokens (computed + new).
+    def allocate_slots(
+        self, request_id: str, num_total_tokens: int, cached_prefix: list[int] | None = None
+    ) -> list[int] | None:
+        """Grow the request's table to hold `num_total_tokens` tokens (computed + new), first
+        taking `cached_prefix` (from `find_cached_prefix`, for a request that holds nothing yet).
 
         Returns the newly added block ids (possibly empty), or None if the
         pool cannot provide them; in that case nothing changes.
         """
-        needed = self.blocks_needed(request_id, num_total_tokens)
-        if needed > self.pool.num_free:
+        prefix = cached_prefix or []
+        needed = max(0, cdiv(num_total_tokens, self.block_size) - len(self.block_table(request_id)) - len(prefix))
+        # Unreferenced cached blocks sit on the free list: taking them leaves fewer to allocate from.
+        reclaimed = sum(1 for b in prefix if self.pool.ref_cnt[b] == 0)
+        if needed > self.pool.num_free - reclaimed:
             return None
+        table = self._tables.setdefault(request_id, [])
+        if prefix:
+            self.pool.touch(prefix)
+            table.extend(prefix)
+            self._hashes[request_id] = [self.pool.block_hash[b] for b in prefix]  # type: ignore[misc]
         new_blocks = self.pool.take(needed)
-        self._tables.setdefault(request_id, []).extend(new_blocks)
-        return new_blocks
+        table.extend(new_blocks)
+        return prefix + new_blocks
+
+    def find_cached_prefix(self, token_ids: list[int], salt: str | None) -> list[int]:
+        """Block ids of the longest cached run of `token_ids`' full blocks. At least one token is
+        always left to compute, since the step that computes it samples the next."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        blocks: list[int] = []
+        parent: Hashable = salt
+        for i in range((len(token_ids) - 1) // bs):
+            h = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            b = self.pool.cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+            parent = h
+        return blocks
+
+    def cache_full_blocks(
+        self, request_id: str, num_computed_tokens: int, token_ids: Callable[[int, int], list[int]], salt: str | None
+    ) -> None:
+        """Register the request's blocks that are now full and computed in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        table = self._tables.get(request_id, [])
+        hashes = self._hashes.setdefault(request_id, [])
+        for i in range(len(hashes), min(num_computed_tokens // bs, len(table))):
+            parent = hashes[-1] if hashes else salt
+            h = hash((parent, tuple(token_ids(i * bs, (i + 1) * bs))))
+            self.pool.register(table[i], h)
+            hashes.append(h)
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request that holds nothing could get room for `num_tokens` now."""
@@ -117,6 +218,7 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release every block the request holds; a no-op for unknown ids."""
         blocks = self._tables.pop(request_id, None)
+        self._hashes.pop(request_id, None)
         if blocks:
             # Reversed: the tail of a sequence is the least likely to be shared later.
             self.pool.release(list(reversed(blocks)))
@@ -143,3 +245,6 @@ class KVCacheManager:
         for b in range(self.pool.num_blocks):
             if owners[b] and self.pool.ref_cnt[b] != owners[b]:
                 raise AssertionError(f"block {b} has ref count {self.pool.ref_cnt[b]} but {owners[b]} owners")
+        for h, b in self.pool.cached.items():
+            if self.pool.block_hash[b] != h:
+                raise AssertionError(f"cache index names block {b} for a hash it does not carry")

@@ -85,6 +85,7 @@ class EngineStats(msgspec.Struct, tag="stats", kw_only=True):
     kv_blocks_total: int
     num_preemptions: int
     num_prefill_chunks: int
+    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens looked up, since start
     prompt_tokens_total: int
     generation_tokens_total: int
     generation_tokens_per_s: float  # over the recent window

@@ -31,11 +31,14 @@ class ScheduledRequest:
     num_new_tokens: int
     # Tokens already in the cache before this step (num_computed_tokens at schedule time).
     num_computed_before: int
+    # Whether this step computes through the request's last known token, so it samples the next.
+    # Fixed at schedule time: the request's token count grows once the step's token is appended.
+    samples: bool = False
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step computes through the request's last known token, so it samples the next."""
-        return self.num_computed_before + self.num_new_tokens == self.request.num_tokens
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        before = request.num_computed_tokens
+        return cls(request, num_new_tokens, before, before + num_new_tokens == request.num_tokens)
 
 
 @dataclass
@@ -157,7 +160,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, n_new, request.num_computed_tokens))
+                out.scheduled.append(ScheduledRequest.of(request, n_new))
                 budget -= n_new
                 i += 1
                 continue
@@ -176,19 +179,28 @@ class Scheduler:
                     break
                 budget += restored
                 continue
-            n_new = min(request.num_tokens_to_compute, chunk_cap, budget)
-            if self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + n_new) is None:
+            # Waiting requests hold nothing (new or preempted): they start from their cached prefix.
+            cached: list[int] = []
+            if self.kv_cache.enable_prefix_caching:
+                all_tokens = request.token_ids_slice(0, request.num_tokens)
+                cached = self.kv_cache.find_cached_prefix(all_tokens, self.kv_cache.salt(request.tenant_id))
+            start = len(cached) * self.kv_cache.block_size
+            n_new = min(request.num_tokens - start, chunk_cap, budget)
+            if self.kv_cache.allocate_slots(request.request_id, start + n_new, cached) is None:
                 restored = self._preempt_less_important(request, out)
                 if restored is None:
                     break
                 budget += restored
                 continue
+            request.num_computed_tokens = start
+            if self.kv_cache.enable_prefix_caching:
+                self.kv_cache.record_prefix_lookup(request.num_tokens, start)
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, n_new, request.num_computed_tokens))
+            out.scheduled.append(ScheduledRequest.of(request, n_new))
             budget -= n_new
         return out
 
@@ -226,6 +238,12 @@ class Scheduler:
             request = s.request
             request.num_computed_tokens = s.num_computed_before + s.num_new_tokens
             self.fair_share.charge(tenant_of(request), s.num_new_tokens)
+            self.kv_cache.cache_full_blocks(
+                request.request_id,
+                request.num_computed_tokens,
+                request.token_ids_slice,
+                self.kv_cache.salt(request.tenant_id),
+            )
             if not s.samples:
                 self.num_prefill_chunks += 1
                 request.num_prefill_chunks += 1

@@ -74,11 +74,12 @@ def hf_greedy(prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
     return outputs
 
 
-def make_engine(loaded, *, num_blocks: int = 512, block_size: int = 16, **sched: int) -> LLMEngine:  # type: ignore[no-untyped-def]
+def make_engine(loaded, *, num_blocks: int = 512, block_size: int = 16, prefix_caching: bool = True,  # type: ignore[no-untyped-def]
+                **sched: int) -> LLMEngine:
     config = EngineConfig(
         model_path=bundled_model_path(),
         dtype="float32",
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(**{"max_num_seqs": 16, "max_num_batched_tokens": 512,
                                      "long_prefill_token_threshold": 512, **sched}),
     )
@@ -129,6 +130,21 @@ def test_tiny_kv_pool_preempts_and_still_matches_hf(loaded, prompts, hf_greedy) 
                          long_prefill_token_threshold=4096)
     assert run_checked(engine, prompts) == hf_greedy
     assert engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hits_and_changes_nothing(loaded, prompts, hf_greedy) -> None:  # type: ignore[no-untyped-def]
+    system = prompts[7][:150]  # a long shared "system prompt"
+    shared = [system + p for p in prompts[:4]]
+    off = make_engine(loaded, prefix_caching=False)
+    expected = [run_checked(off, [p])[0] for p in shared]
+    on = make_engine(loaded)
+    got = [run_checked(on, [p])[0] for p in shared]  # one at a time: each later one hits
+    assert got == expected
+    assert on.kv_cache.prefix_hits >= 3 * (150 // 16) * 16
+    assert off.kv_cache.prefix_hits == 0
+    # all together, after the cache is warm, and the plain prompts still match Hugging Face
+    assert run_checked(on, shared) == expected
+    assert run_checked(on, prompts) == hf_greedy
 
 
 def test_seeded_sampling_is_independent_of_the_batch(loaded, prompts) -> None:  # type: ignore[no-untyped-def]
