@@ -88,6 +88,10 @@ class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
     first_token_time: float | None = None
     finish_time: float | None = None
     node_id: str | None = None
+    # When this chunk's last token was produced (time.time()); per-token latency comes from these.
+    token_time: float | None = None
+    # Final chunk: when the engine preempted (and later recomputed) the request.
+    preemption_times: list[float] = []
 
 
 class ModelCard(msgspec.Struct, frozen=True):
@@ -106,6 +110,40 @@ class DriverHealth(msgspec.Struct, frozen=True):
     kv_blocks_total: int = 0
     preemptions: int = 0
     generation_tokens_per_s: float = 0.0
+
+
+class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine node as `GET /admin/nodes` shows it: load, recent latency and health verdict."""
+
+    id: str
+    status: str  # "healthy" | "sluggish" | "stalled" | "dead"
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    tokens_per_s: float = 0.0
+    itl_p50_ms: float | None = None  # over the health window
+    itl_p99_ms: float | None = None
+    ttft_p50_ms: float | None = None
+    reason: str | None = None  # why it is not healthy
+    since: float | None = None  # time.time() of the last status change
+    preemptions: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    score: float | None = None  # latency / peers' at comparable load; None: not enough samples
+    step_delay_s: float = 0.0  # injected fault, if any
+    stalled_by_fault: bool = False
+
+
+class NodeEvent(msgspec.Struct, frozen=True):
+    time: float
+    node: str
+    kind: str  # "flagged" | "unflagged" | "stalled" | "recovered"
+    reason: str
+
+
+class NodesReport(msgspec.Struct, frozen=True):
+    nodes: list[NodeInfo]
+    events: list[NodeEvent]
 
 
 class DriverError(Exception):
@@ -165,6 +203,14 @@ class Driver(ABC):
 
     @abstractmethod
     def models(self) -> list[ModelCard]: ...
+
+    def nodes(self) -> NodesReport:
+        """The engine nodes behind this driver, their health and recent transitions."""
+        return NodesReport([], [])
+
+    async def set_fault(self, node_id: str, step_delay_s: float, stall: bool) -> None:
+        """Chaos testing: slow down (extra delay per engine step) or stall one node; zeros clear it."""
+        raise InvalidRequestError(f"{type(self).__name__} does not support fault injection")
 
     @abstractmethod
     def count_prompt_tokens(self, request: GenerationRequest) -> int:

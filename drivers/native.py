@@ -2,7 +2,8 @@
 
 Prompts are tokenized in the gateway process (so lengths can be checked and
 charged before dispatch); the engine process detokenizes and applies stop
-strings. Requests go to the engine node with the fewest requests in flight.
+strings. Requests go to the healthy engine node with the fewest requests in flight
+(`native_nodes.NodeSupervisor` judges health and carries fault injection).
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from drivers.base import (
     InvalidRequestError,
     ModelCard,
     ModelNotFoundError,
+    NodesReport,
     OverloadedError,
     TokenLogprob,
     TopLogprob,
 )
+from drivers.native_nodes import NodeSupervisor
 from engine_native.client import AsyncEngineClient, EngineRequestError
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_native.messages import AddRequest, LogprobEntry, RequestOutput
@@ -34,6 +37,7 @@ from engine_native.model.bundled import bundled_model_path
 from engine_native.model.loader import load_tokenizer
 from engine_native.request import FinishReason as EngineFinishReason
 from engine_native.sampling_params import SamplingParams
+from observability.node_health import NodeHealthConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,8 @@ class NativeDriver(Driver):
         long_prefill_token_threshold: int = 256,
         max_model_len: int | None = None,
         progress: bool = True,
+        node_health: NodeHealthConfig | None = None,
+        fault_step_delay: dict[str, float] | None = None,
     ) -> None:
         self.model_path = model_path or bundled_model_path()
         self.served_model_name = served_model_name or "smollm2-135m-instruct"
@@ -85,6 +91,9 @@ class NativeDriver(Driver):
             for i in range(num_engines)
         ]
         self._progress = progress
+        self._node_health = node_health
+        self._fault_step_delay = fault_step_delay or {}
+        self.supervisor: NodeSupervisor | None = None
         self.engines: list[AsyncEngineClient] = []
         self.tokenizer: Tokenizer | None = None
         self.max_model_len = 0
@@ -96,10 +105,14 @@ class NativeDriver(Driver):
         self.engines = [AsyncEngineClient(c, progress=self._progress) for c in self._configs]
         infos = await asyncio.gather(*(e.start() for e in self.engines))
         self.max_model_len = min(i.max_model_len for i in infos)
+        self.supervisor = NodeSupervisor(self.engines, self._node_health, self._fault_step_delay)
+        await self.supervisor.start()
         log.info("native driver ready: model=%s nodes=%d max_model_len=%d",
                  self.served_model_name, len(self.engines), self.max_model_len)
 
     async def stop(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         await asyncio.gather(*(e.shutdown() for e in self.engines), return_exceptions=True)
 
     # ----- the seam --------------------------------------------------------------------
@@ -165,7 +178,9 @@ class NativeDriver(Driver):
         if not alive:
             reasons = "; ".join(f"{e.config.node_id}: {e.dead_reason}" for e in self.engines)
             raise EngineDeadError(f"no engine is running ({reasons})")
-        return min(alive, key=lambda e: e.num_in_flight)
+        if self.supervisor is None:
+            return min(alive, key=lambda e: e.num_in_flight)
+        return self.supervisor.pick(alive)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         prompt_ids = self.prompt_token_ids(request)
@@ -175,17 +190,19 @@ class NativeDriver(Driver):
         if engine.num_in_flight >= capacity:
             raise OverloadedError(f"{engine.num_in_flight} requests in flight on {engine.config.node_id}",
                                   retry_after=self._retry_after(engine))
+        arrival = time.time()
         try:
             stream = engine.add(AddRequest(
                 request_id=request.request_id,
                 prompt_token_ids=prompt_ids,
                 sampling_params=params,
                 priority=request.priority,
-                arrival_time=time.time(),
+                arrival_time=arrival,
                 tenant_id=request.tenant_id,
             ))
         except EngineRequestError as exc:
             raise EngineDeadError(str(exc)) from exc
+        timer = self.supervisor.timer(engine, arrival, len(prompt_ids)) if self.supervisor else None
         finished = False
         try:
             while True:
@@ -198,6 +215,8 @@ class NativeDriver(Driver):
                         raise OverloadedError(str(item), retry_after=self._retry_after(engine))
                     raise InvalidRequestError(str(item))
                 finished = item.finish_reason is not None
+                if timer is not None:
+                    timer.on_output(item)
                 yield self._chunk(item, engine.config.node_id)
                 if finished:
                     return
@@ -227,7 +246,17 @@ class NativeDriver(Driver):
             first_token_time=out.first_token_time,
             finish_time=out.finish_time,
             node_id=node_id,
+            token_time=out.token_time,
+            preemption_times=out.preemption_times,
         )
+
+    def nodes(self) -> NodesReport:
+        return self.supervisor.report() if self.supervisor is not None else NodesReport([], [])
+
+    async def set_fault(self, node_id: str, step_delay_s: float, stall: bool) -> None:
+        if self.supervisor is None:
+            raise InvalidRequestError("the driver is not started")
+        await self.supervisor.set_fault(node_id, step_delay_s, stall)
 
     async def abort(self, request_id: str) -> None:
         for engine in self.engines:

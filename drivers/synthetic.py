@@ -32,6 +32,8 @@ from drivers.base import (
     InvalidRequestError,
     ModelCard,
     ModelNotFoundError,
+    NodeInfo,
+    NodesReport,
     OverloadedError,
     TokenLogprob,
     TopLogprob,
@@ -111,6 +113,12 @@ class SyntheticDriver(Driver):
             running=self._running,
             waiting=self._waiting,
         )
+
+    def nodes(self) -> NodesReport:
+        # One pseudo-node: it never slows down, but the admin API and console have something to show.
+        node = NodeInfo(id="synthetic", status="healthy" if self._started else "dead",
+                        running=self._running, waiting=self._waiting)
+        return NodesReport([node], [])
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return len(self._prompt_ids(request))
@@ -291,6 +299,7 @@ class SyntheticDriver(Driver):
             finish_reason=finish,
             logprobs=logprobs,
             node_id="synthetic",
+            token_time=time.time() if token_ids else None,
         )
 
 

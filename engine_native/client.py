@@ -27,6 +27,7 @@ from engine_native.messages import (
     EngineReady,
     EngineStats,
     RequestOutput,
+    SetFault,
     Shutdown,
     StepOutputs,
 )
@@ -57,6 +58,8 @@ class AsyncEngineClient:
         self.stats: EngineStats | None = None
         self.dead_reason: str | None = None
         self._stats_waiters: list[asyncio.Future[EngineStats]] = []
+        self.fault: tuple[float, bool] = (0.0, False)  # (step_delay_s, stall) last sent
+        self.last_output_at = 0.0  # time.time() of the latest StepOutputs: the watchdog's evidence
 
     # ----- lifecycle -------------------------------------------------------------------
 
@@ -116,6 +119,11 @@ class AsyncEngineClient:
         if request_ids and self.alive:
             self._send(AbortRequest(request_ids))
 
+    def set_fault(self, step_delay_s: float = 0.0, stall: bool = False) -> None:
+        """Chaos testing: make this engine slow (a sleep after each step) or stalled; zeros clear it."""
+        self._send(SetFault(step_delay_s=step_delay_s, stall=stall))
+        self.fault = (step_delay_s, stall)
+
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
@@ -159,6 +167,7 @@ class AsyncEngineClient:
 
     def _dispatch(self, msg: EngineMessage) -> None:
         if isinstance(msg, StepOutputs):
+            self.last_output_at = time.time()
             for out in msg.outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:

@@ -202,6 +202,7 @@ class LLMEngine:
             first_token_time=request.first_token_time,
             finish_time=request.finish_time or now,
             num_preemptions=request.num_preemptions,
+            preemption_times=list(request.preemption_times),
         )
 
     def _token_text(self, token_id: int) -> str:

@@ -1,6 +1,6 @@
 """Typed messages on the wire between an engine process and its clients (msgspec).
 
-Client -> engine: AddRequest, AbortRequest, Shutdown.
+Client -> engine: AddRequest, AbortRequest, SetFault (chaos testing), Shutdown.
 Engine -> client: StepOutputs (every step that produced something) and
 EngineStats (after steps and periodically when idle), AddRejected when a
 request could not be queued, EngineReady once the model is loaded, and
@@ -31,7 +31,14 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ClientMessage = AddRequest | AbortRequest | Shutdown
+class SetFault(msgspec.Struct, tag="fault", kw_only=True):
+    """Fault injection for chaos testing; replaces the previous setting. All zero/False: no fault."""
+
+    step_delay_s: float = 0.0  # sleep this long after every step (a slow node)
+    stall: bool = False  # stop stepping but keep every request (a hung node that still answers)
+
+
+ClientMessage = AddRequest | AbortRequest | SetFault | Shutdown
 
 
 class LogprobTop(msgspec.Struct, array_like=True):
@@ -65,6 +72,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    preemption_times: list[float] = []
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):

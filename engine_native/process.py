@@ -2,7 +2,9 @@
 
 Its whole world is two pipes of msgspec-encoded messages (`messages.py`).
 Inputs are drained before every step, so an abort takes effect within one
-step; when idle it blocks on the input pipe instead of spinning.
+step; when idle it blocks on the input pipe instead of spinning. A `SetFault`
+makes it slow (a sleep after every step) or stalled (no steps, requests kept,
+stats still sent) for chaos testing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from engine_native.messages import (
     EngineFailed,
     EngineMessage,
     EngineReady,
+    SetFault,
     Shutdown,
     StepOutputs,
 )
@@ -63,9 +66,11 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
     send(engine.stats())  # so that clients see the pool before the first request
     log = logging.getLogger("engine_native.process")
     last_stats = 0.0
+    fault = SetFault()
     try:
         while True:
-            timeout = 0.0 if engine.has_unfinished else IDLE_POLL_S
+            stepping = engine.has_unfinished and not fault.stall
+            timeout = 0.0 if stepping else IDLE_POLL_S
             while inbox.poll(timeout):
                 timeout = 0.0
                 msg = decoder.decode(inbox.recv_bytes())
@@ -77,10 +82,15 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
                         send(StepOutputs(aborted))
                 elif isinstance(msg, AddRequest):
                     _add(engine, msg, send)
-            if engine.has_unfinished:
+                elif isinstance(msg, SetFault):
+                    fault = msg
+                    log.warning("fault injection: step_delay_s=%s stall=%s", msg.step_delay_s, msg.stall)
+            if engine.has_unfinished and not fault.stall:
                 outputs = engine.step()
                 if outputs:
                     send(StepOutputs(outputs))
+                if fault.step_delay_s > 0:
+                    time.sleep(fault.step_delay_s)
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
                 send(engine.stats())

@@ -65,6 +65,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    preemption_times: list[float] = field(default_factory=list)  # time.time() of each, for traces
     num_prefill_chunks: int = 0  # steps that computed part of a prompt without sampling
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     generator: torch.Generator | None = None

@@ -228,6 +228,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.preemption_times.append(time.time())
         self.num_preemptions += 1
         self.waiting.push(request)
 

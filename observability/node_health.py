@@ -141,6 +141,11 @@ class NodeHealthMonitor:
         n.ttft.append((t, ttft_s, prompt_tokens))
         n.last_progress = max(n.last_progress, t)
 
+    def record_progress(self, node: str, t: float) -> None:
+        """The node produced output at `t` (any request): the watchdog's evidence of life."""
+        n = self._nodes[node]
+        n.last_progress = max(n.last_progress, t)
+
     def set_in_flight(self, node: str, in_flight: int, now: float) -> None:
         """Requests the node holds now; the watchdog's clock starts when work arrives at an idle node."""
         n = self._nodes[node]
