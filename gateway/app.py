@@ -17,15 +17,28 @@ from gateway.errors import EXCEPTION_HANDLERS
 from gateway.metrics import GatewayMetrics
 from gateway.routes.admin import ADMIN_ROUTES
 from gateway.routes.health import HEALTH_ROUTES
+from gateway.routes.nodes import NODE_DEPENDENCIES, NODE_ROUTES
 from gateway.routes.openai import OPENAI_ROUTES
 from gateway.service import CompletionService
 from gateway.settings import Settings
 from gateway.tenancy import Tenancy
+from observability.hub import Observability, ObservabilityConfig
 
 
 def create_app(settings: Settings, driver: Driver) -> Litestar:
     metrics = GatewayMetrics()
     service = CompletionService(driver, settings, metrics)
+    # Request metrics always; traces and OTLP metrics only with an OTLP endpoint.
+    observability = Observability(
+        ObservabilityConfig(
+            otlp_endpoint=settings.otlp_endpoint,
+            service_name=settings.service_name,
+            tenant_label_cap=settings.metrics_tenant_cap,
+        ),
+        metrics.registry,
+        driver.nodes,
+    )
+    service.observability = observability
     state = State({"settings": settings, "tenancy": None})
 
     @asynccontextmanager
@@ -35,6 +48,7 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
             yield
         finally:
             await driver.stop()
+            observability.shutdown()  # flushes spans still batched
 
     @asynccontextmanager
     async def tenancy_lifespan(_: Litestar) -> AsyncGenerator[None, None]:
@@ -59,6 +73,7 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
     routes: list[ControllerRouterHandler] = [*OPENAI_ROUTES, *HEALTH_ROUTES]
     if settings.auth:
         routes += ADMIN_ROUTES
+    routes += NODE_ROUTES
     return Litestar(
         route_handlers=routes,
         dependencies={
@@ -67,6 +82,7 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
             "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False),
             "caller": Provide(provide_caller),
             "admin": Provide(provide_admin),
+            **NODE_DEPENDENCIES,
         },
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[driver_lifespan, *([tenancy_lifespan] if settings.auth else [])],

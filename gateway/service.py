@@ -25,6 +25,8 @@ from gateway.admission import TenantGate, Ticket
 from gateway.errors import error_from_driver
 from gateway.fanout import Fanout, LifetimeExceededError
 from gateway.metrics import GatewayMetrics
+from observability.hub import TRACE_PARENT, Observability
+from observability.timeline import RequestTimeline
 from gateway.render import (
     SSE_DONE,
     ChatChunks,
@@ -58,6 +60,8 @@ class CompletionService:
         self.settings = settings
         self.metrics = metrics
         self.gate = gate  # None: auth is off, nothing is limited or recorded
+        self.observability: Observability | None = None  # create_app sets it; None: request metrics off
+        self._timelines: dict[str, RequestTimeline] = {}  # running requests, for metrics and traces
 
     async def chat(self, body: ChatCompletionRequest, rid: str, caller: TenantContext | None = None) -> Reply:
         cap = self.settings.max_default_tokens
@@ -126,11 +130,18 @@ class CompletionService:
         loop = asyncio.get_running_loop()
         started = loop.time()
         fanout = Fanout(self.driver, dispatch.requests, deadline=started + self.settings.stream_timeout_s)
+        if self.observability is not None:
+            tenant = ticket.caller.tenant_id if ticket is not None else None
+            operation = "chat" if dispatch.request_id.startswith("chatcmpl") else "text_completion"
+            self._timelines[dispatch.request_id] = self.observability.start(
+                dispatch.request_id, dispatch.model, operation, dispatch.requests, tenant, TRACE_PARENT.get()
+            )
         self.metrics.in_flight.inc()
         try:
             await fanout.open()
         except BaseException as exc:
             self.metrics.in_flight.dec()
+            self._end_timeline(dispatch.request_id, type(exc).__name__)
             if ticket is not None and self.gate is not None:
                 await _settle(self.gate.finish(ticket, dispatch.prompt_tokens, 0, None, type(exc).__name__))
             raise
@@ -141,10 +152,13 @@ class CompletionService:
     async def _collect(self, dispatch: Dispatch, ticket: Ticket | None) -> list[ChoiceOutput]:
         fanout, started, ttft = await self._open(dispatch, ticket)
         outputs = [ChoiceOutput() for _ in dispatch.requests]
+        timeline = self._timelines.get(dispatch.request_id)
         outcome = "error"
         try:
             async for i, chunk in fanout.chunks():
                 outputs[i].add(chunk)
+                if timeline is not None:
+                    timeline.add(i, chunk)
             outcome = "ok"
         except BaseException as exc:
             outcome = "disconnected" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__
@@ -179,6 +193,7 @@ class CompletionService:
         logprobs: bool,
     ) -> AsyncIterator[bytes]:
         completion = [0] * len(dispatch.requests)
+        timeline = self._timelines.get(dispatch.request_id)
         outcome = "disconnected"  # stays so unless we reach the end or an error below
         try:
             if isinstance(renderer, ChatChunks):
@@ -186,6 +201,8 @@ class CompletionService:
                     yield renderer.role(i)
             async for i, chunk in fanout.chunks():
                 completion[i] = chunk.completion_tokens
+                if timeline is not None:
+                    timeline.add(i, chunk)
                 data = renderer.delta(i, chunk, logprobs)
                 if data is not None:
                     yield data
@@ -210,6 +227,17 @@ class CompletionService:
             await fanout.aclose()  # client gone or done: abort and release everything
             await self._finished(dispatch, ticket, completion, started, ttft, outcome)
 
+    def _end_timeline(self, request_id: str, outcome: str) -> dict[str, object]:
+        """Metrics and trace of a request that ended; returns fields for its log line (node, trace id)."""
+        timeline = self._timelines.pop(request_id, None)
+        if timeline is None or self.observability is None:
+            return {}
+        try:
+            return self.observability.finish(timeline, outcome)
+        except Exception:  # noqa: BLE001 - telemetry must never fail a request
+            log.exception("recording telemetry failed", extra={"request_id": request_id})
+            return {}
+
     async def _finished(
         self,
         dispatch: Dispatch,
@@ -225,6 +253,7 @@ class CompletionService:
         self.metrics.completion_tokens.labels(model=dispatch.model).inc(total)
         elapsed = asyncio.get_running_loop().time() - started
         self.metrics.e2e.labels(model=dispatch.model).observe(elapsed)
+        extra = self._end_timeline(dispatch.request_id, outcome)
         log.info(
             "generation finished",
             extra={
@@ -236,6 +265,7 @@ class CompletionService:
                 "outcome": outcome,
                 "duration_s": round(elapsed, 4),
                 "tenant": ticket.caller.tenant_id if ticket else None,
+                **extra,
             },
         )
         if ticket is not None and self.gate is not None:

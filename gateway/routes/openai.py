@@ -17,6 +17,7 @@ from gateway.auth import TENANT_SECURITY
 from gateway.errors import invalid_body
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelList, ModelObject
 from gateway.service import CompletionService, Reply
+from observability.hub import TRACE_PARENT
 from tenants.auth import TenantContext
 
 T = TypeVar("T")
@@ -26,6 +27,7 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 def _new_request_id(request: Request, prefix: str) -> str:
     rid = f"{prefix}-{uuid.uuid4().hex}"
     request.state["request_id"] = rid  # read by the error handlers so error responses carry it too
+    TRACE_PARENT.set(request.headers.get("traceparent"))  # this request's trace continues the caller's
     return rid
 
 

@@ -1,0 +1,50 @@
+"""Engine nodes for operators: `GET /admin/nodes` (status, window figures, events) and fault
+injection for chaos testing, `POST /admin/nodes/{id}/fault`. Admin key when auth is on; open on a
+--no-auth dev server, like everything else there."""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import Request, get, post
+from litestar.di import NamedDependency, Provide
+from litestar.params import FromPath, JSONBody
+
+from drivers.base import Driver, NodesReport
+from gateway.auth import ADMIN_SECURITY, provide_admin
+
+
+class FaultIn(msgspec.Struct, forbid_unknown_fields=True):
+    step_delay_s: float = 0.0  # extra sleep after every engine step; 0 clears it
+    stall: bool = False  # stop stepping, keep requests: the watchdog's case
+
+
+class FaultOut(msgspec.Struct):
+    node: str
+    step_delay_s: float
+    stall: bool
+
+
+async def provide_node_admin(request: Request) -> None:
+    if request.app.state.get("tenancy") is not None:
+        await provide_admin(request)
+
+
+@get("/admin/nodes", security=ADMIN_SECURITY, tags=["admin"])
+async def list_nodes(driver: NamedDependency[Driver], node_admin: NamedDependency[None]) -> NodesReport:
+    """Every engine node: status (healthy, sluggish, stalled, dead), load, latency over the health
+    window, why it is flagged; and the latest flag/unflag events."""
+    return driver.nodes()
+
+
+@post("/admin/nodes/{node_id:str}/fault", status_code=200, security=ADMIN_SECURITY, tags=["admin"])
+async def set_fault(
+    node_id: FromPath[str], data: JSONBody[FaultIn], driver: NamedDependency[Driver],
+    node_admin: NamedDependency[None],
+) -> FaultOut:
+    """Chaos testing: an extra delay per engine step on one node, or a stall; zeros clear it."""
+    await driver.set_fault(node_id, data.step_delay_s, data.stall)
+    return FaultOut(node_id, data.step_delay_s, data.stall)
+
+
+NODE_ROUTES = [list_nodes, set_fault]
+NODE_DEPENDENCIES = {"node_admin": Provide(provide_node_admin)}

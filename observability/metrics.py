@@ -1,0 +1,212 @@
+"""Serving metrics: latency histograms per model / node / priority tier / prompt-length bucket,
+request and token counters per tenant, and per-node gauges read from the driver at scrape time.
+
+Names follow the OpenTelemetry GenAI semantic conventions where one exists (in Prometheus form:
+dots become underscores, the unit a suffix): gen_ai.server.time_to_first_token ->
+`gen_ai_server_time_to_first_token_seconds`, and so on; Sluice's own carry a `sluice_` prefix.
+Everything goes into the app's prometheus registry (`GET /metrics`); with an OTLP endpoint the
+same observations also go to an OpenTelemetry meter (`OtlpMirror`), and only then.
+
+Cardinality: tenant ids appear on counters only, and only the first `tenant_cap` tenants seen get
+their own label value; later ones are "other".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from drivers.base import NodesReport
+from observability.node_health import prompt_bucket
+from observability.timeline import RequestTimeline
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+LABELS = ("model", "node", "priority", "prompt_bucket")
+
+
+class TenantLabels:
+    """Bounded tenant label values: the first `cap` tenants seen keep their id, the rest are "other"."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._seen: set[str] = set()
+
+    def __call__(self, tenant: str | None) -> str:
+        if tenant is None:
+            return "none"
+        if tenant in self._seen:
+            return tenant
+        if len(self._seen) < self.cap:
+            self._seen.add(tenant)
+            return tenant
+        return "other"
+
+
+class ServingMetrics:
+    def __init__(self, registry: CollectorRegistry, tenant_cap: int = 100, mirror: OtlpMirror | None = None):
+        self.tenants = TenantLabels(tenant_cap)
+        self.mirror = mirror
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = LABELS) -> Histogram:
+            return Histogram(name, doc, labels, registry=registry, buckets=buckets)
+
+        self.ttft = hist("gen_ai_server_time_to_first_token_seconds",
+                         "Time from request arrival at the gateway to its first token", LATENCY_BUCKETS)
+        self.itl = hist("sluice_inter_token_latency_seconds", "Time between consecutive output tokens",
+                        ITL_BUCKETS)
+        self.tpot = hist("gen_ai_server_time_per_output_token_seconds",
+                         "Per request: decode time / (output tokens - 1)", ITL_BUCKETS)
+        self.e2e = hist("gen_ai_server_request_duration_seconds",
+                        "Time from request arrival at the gateway to its last token", E2E_BUCKETS)
+        self.queue = hist("sluice_request_queue_time_seconds",
+                          "Time a request waited in the engine before it was first scheduled", LATENCY_BUCKETS)
+        self.token_usage = hist("gen_ai_client_token_usage", "Tokens per request, input or output",
+                                TOKEN_BUCKETS, ("model", "token_type"))
+        self.requests = Counter("sluice_requests", "Generation requests by outcome",
+                                ["model", "tenant", "status"], registry=registry)
+        self.tenant_tokens = Counter("sluice_tenant_tokens", "Tokens by tenant, input (prompt) or output",
+                                     ["model", "tenant", "token_type"], registry=registry)
+        self.preemptions = Counter("sluice_request_preemptions", "Preemptions of served requests",
+                                   ["model", "node"], registry=registry)
+
+    def observe(self, t: RequestTimeline, outcome: str, ended: float) -> None:
+        model = t.model
+        prompt_total = completion_total = 0
+        for c in t.choices:
+            labels = (model, c.node or "none", str(c.priority), prompt_bucket(c.prompt_tokens))
+            prompt_total += c.prompt_tokens
+            completion_total += c.completion_tokens
+            if c.first_token is not None:
+                self.ttft.labels(*labels).observe(c.first_token - t.started)
+                self.e2e.labels(*labels).observe((c.last_token or ended) - t.started)
+            if c.itl:
+                itl = self.itl.labels(*labels)
+                for gap in c.itl:
+                    itl.observe(gap)
+                if c.first_token is not None and c.last_token is not None:
+                    self.tpot.labels(*labels).observe((c.last_token - c.first_token) / len(c.itl))
+            if c.arrival is not None and c.scheduled is not None:
+                self.queue.labels(*labels).observe(max(0.0, c.scheduled - c.arrival))
+            if c.preemption_times:
+                self.preemptions.labels(model, c.node or "none").inc(len(c.preemption_times))
+            if self.mirror is not None:
+                self.mirror.observe_choice(t, c, ended)
+        self.token_usage.labels(model, "input").observe(prompt_total)
+        self.token_usage.labels(model, "output").observe(completion_total)
+        tenant = self.tenants(t.tenant)
+        self.requests.labels(model, tenant, outcome).inc()
+        self.tenant_tokens.labels(model, tenant, "input").inc(prompt_total)
+        self.tenant_tokens.labels(model, tenant, "output").inc(completion_total)
+        if self.mirror is not None:
+            self.mirror.observe_request(t, tenant, outcome, prompt_total, completion_total)
+
+
+class NodeCollector(Collector):
+    """Per-node gauges, read from the driver when scraped: nothing is kept up to date in between."""
+
+    def __init__(self, nodes: Callable[[], NodesReport]) -> None:
+        self._nodes = nodes
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        report = self._nodes()
+        gauges: list[tuple[str, str, Callable[[Any], float]]] = [
+            ("sluice_node_running_requests", "Requests running on the node", lambda n: n.running),
+            ("sluice_node_waiting_requests", "Requests waiting on the node", lambda n: n.waiting),
+            ("sluice_node_kv_blocks_used", "KV cache blocks in use", lambda n: n.kv_blocks_used),
+            ("sluice_node_kv_blocks_total", "KV cache blocks in the pool", lambda n: n.kv_blocks_total),
+            ("sluice_node_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens looked up",
+             lambda n: n.prefix_cache_hit_rate),
+            ("sluice_node_generation_tokens_per_second", "Recent output tokens per second",
+             lambda n: n.tokens_per_s),
+            ("sluice_node_sluggish", "1 when the node's latency stands out from its peers'",
+             lambda n: float(n.status == "sluggish")),
+            ("sluice_node_stalled", "1 when the node has work but produced no token for a while",
+             lambda n: float(n.status == "stalled")),
+            ("sluice_node_up", "1 when the node's engine process is alive", lambda n: float(n.status != "dead")),
+        ]
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=["node"])
+            for n in report.nodes:
+                family.add_metric([n.id], value(n))
+            yield family
+        preemptions = CounterMetricFamily("sluice_node_preemptions", "Preemptions since the node started",
+                                          labels=["node"])
+        for n in report.nodes:
+            preemptions.add_metric([n.id], n.preemptions)
+        yield preemptions
+
+
+class OtlpMirror:
+    """The same figures through an OpenTelemetry meter, exported over OTLP/HTTP periodically."""
+
+    def __init__(self, endpoint: str, nodes: Callable[[], NodesReport], service_name: str = "sluice",
+                 export_interval_s: float = 10.0) -> None:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.metrics import CallbackOptions, Observation
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.resources import Resource
+
+        reader = PeriodicExportingMetricReader(
+            OTLPMetricExporter(endpoint=f"{endpoint.rstrip('/')}/v1/metrics"),
+            export_interval_millis=export_interval_s * 1000,
+        )
+        self.provider = MeterProvider([reader], resource=Resource.create({"service.name": service_name}))
+        meter = self.provider.get_meter("sluice")
+
+        def hist(name: str, unit: str, buckets: tuple[float, ...]) -> Any:
+            return meter.create_histogram(name, unit=unit, explicit_bucket_boundaries_advisory=list(buckets))
+
+        self.ttft = hist("gen_ai.server.time_to_first_token", "s", LATENCY_BUCKETS)
+        self.itl = hist("sluice.inter_token_latency", "s", ITL_BUCKETS)
+        self.tpot = hist("gen_ai.server.time_per_output_token", "s", ITL_BUCKETS)
+        self.e2e = hist("gen_ai.server.request.duration", "s", E2E_BUCKETS)
+        self.queue = hist("sluice.request.queue_time", "s", LATENCY_BUCKETS)
+        self.token_usage = hist("gen_ai.client.token.usage", "{token}", TOKEN_BUCKETS)
+        self.requests = meter.create_counter("sluice.requests", unit="{request}")
+        self.tenant_tokens = meter.create_counter("sluice.tenant.tokens", unit="{token}")
+
+        def gauge(name: str, value: Callable[[Any], float]) -> None:
+            def callback(_: CallbackOptions) -> list[Observation]:
+                return [Observation(value(n), {"sluice.node.id": n.id}) for n in nodes().nodes]
+
+            meter.create_observable_gauge(name, [callback])
+
+        gauge("sluice.node.running_requests", lambda n: n.running)
+        gauge("sluice.node.waiting_requests", lambda n: n.waiting)
+        gauge("sluice.node.kv_blocks_used", lambda n: n.kv_blocks_used)
+        gauge("sluice.node.kv_blocks_total", lambda n: n.kv_blocks_total)
+        gauge("sluice.node.preemptions", lambda n: n.preemptions)
+        gauge("sluice.node.prefix_cache_hit_rate", lambda n: n.prefix_cache_hit_rate)
+        gauge("sluice.node.sluggish", lambda n: float(n.status == "sluggish"))
+
+    def observe_choice(self, t: RequestTimeline, c: Any, ended: float) -> None:
+        attrs = {"gen_ai.request.model": t.model, "sluice.node.id": c.node or "none",
+                 "sluice.priority": c.priority, "sluice.prompt_bucket": prompt_bucket(c.prompt_tokens)}
+        if c.first_token is not None:
+            self.ttft.record(c.first_token - t.started, attrs)
+            self.e2e.record((c.last_token or ended) - t.started, attrs)
+        for gap in c.itl:
+            self.itl.record(gap, attrs)
+        if c.itl and c.first_token is not None and c.last_token is not None:
+            self.tpot.record((c.last_token - c.first_token) / len(c.itl), attrs)
+        if c.arrival is not None and c.scheduled is not None:
+            self.queue.record(max(0.0, c.scheduled - c.arrival), attrs)
+
+    def observe_request(self, t: RequestTimeline, tenant: str, outcome: str, prompt: int, completion: int) -> None:
+        self.token_usage.record(prompt, {"gen_ai.request.model": t.model, "gen_ai.token.type": "input"})
+        self.token_usage.record(completion, {"gen_ai.request.model": t.model, "gen_ai.token.type": "output"})
+        self.requests.add(1, {"gen_ai.request.model": t.model, "sluice.tenant.id": tenant, "sluice.status": outcome})
+        for kind, n in (("input", prompt), ("output", completion)):
+            self.tenant_tokens.add(n, {"gen_ai.request.model": t.model, "sluice.tenant.id": tenant,
+                                       "gen_ai.token.type": kind})
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()

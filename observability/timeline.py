@@ -1,0 +1,70 @@
+"""What one API request went through, gathered from its chunks as they stream: the input of the
+request metrics and the trace. Recording is a few attribute writes per chunk; all the work happens
+once, when the request ends (`observability.hub.Observability.finish`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from drivers.base import GenerationChunk
+
+
+@dataclass
+class ChoiceTimeline:
+    """One driver request (one choice): its node, token times and the engine's timestamps."""
+
+    priority: int = 0
+    node: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token: float | None = None  # time.time() of the first token
+    last_token: float | None = None
+    itl: list[float] = field(default_factory=list)  # gaps between consecutive tokens, seconds
+    finish_reason: str | None = None
+    # From the final chunk (the engine's own clock, time.time()):
+    arrival: float | None = None
+    scheduled: float | None = None
+    engine_first_token: float | None = None
+    finished: float | None = None
+    preemption_times: list[float] = field(default_factory=list)
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.node = chunk.node_id or self.node
+        self.prompt_tokens = chunk.prompt_tokens
+        new = chunk.completion_tokens - self.completion_tokens
+        self.completion_tokens = chunk.completion_tokens
+        if new > 0:
+            t = chunk.token_time or time.time()
+            if self.last_token is None:
+                self.first_token = t
+                new -= 1  # the first token has no gap before it
+            if new > 0 and self.last_token is not None:
+                gap = (t - self.last_token) / new  # a chunk of k tokens: k equal gaps
+                self.itl.extend([gap] * new)
+            self.last_token = t
+        if chunk.finish_reason is not None:
+            self.finish_reason = str(chunk.finish_reason)
+            self.arrival = chunk.arrival_time
+            self.scheduled = chunk.first_scheduled_time
+            self.engine_first_token = chunk.first_token_time
+            self.finished = chunk.finish_time
+            self.preemption_times = list(chunk.preemption_times)
+
+
+@dataclass
+class RequestTimeline:
+    request_id: str
+    model: str
+    operation: str  # "chat" | "text_completion" (gen_ai.operation.name)
+    tenant: str | None
+    trace_parent: str | None  # the incoming W3C traceparent header
+    choices: list[ChoiceTimeline]
+    started: float = field(default_factory=time.time)
+    max_tokens: int | None = None
+    temperature: float | None = None
+
+    def add(self, index: int, chunk: GenerationChunk) -> None:
+        self.choices[index].add(chunk)
