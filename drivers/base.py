@@ -110,6 +110,17 @@ class DriverHealth(msgspec.Struct, frozen=True):
     kv_blocks_total: int = 0
     preemptions: int = 0
     generation_tokens_per_s: float = 0.0
+    # What admission control (gateway.load_shedding) estimates queue waits from. Drivers that do not
+    # know a figure leave its default; 0 throughput means "not measured yet".
+    prompt_tokens_per_s: float = 0.0  # prompt tokens computed per second, recently
+    waiting_tokens: int = 0  # tokens queued (what max_waiting_tokens bounds)
+    # Tokens the waiting requests still have to compute (prompt + max_tokens left), by priority.
+    waiting_work_by_priority: dict[int, int] = {}
+    max_waiting: int = 0  # bound of the waiting queue in requests; 0: unknown
+    max_num_seqs: int = 0  # cap on running sequences (all engines); 0: unknown
+    max_waiting_tokens: int = 0  # bound of the waiting queue in tokens; 0: unknown or none
+    prefix_cache_hit_rate: float = 0.0
+    timestamp: float = 0.0  # time.time() of the engine's figures; 0: now
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 from drivers.base import (
     Driver,
@@ -67,6 +67,8 @@ class NativeDriver(Driver):
         progress: bool = True,
         node_health: NodeHealthConfig | None = None,
         fault_step_delay: dict[str, float] | None = None,
+        enable_prefix_caching: bool = True,
+        max_waiting_tokens: int | None = 1 << 18,
     ) -> None:
         self.model_path = model_path or bundled_model_path()
         self.served_model_name = served_model_name or "smollm2-135m-instruct"
@@ -80,12 +82,14 @@ class NativeDriver(Driver):
                 served_model_name=self.served_model_name,
                 node_id=f"node-{i}",
                 cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                                  memory_bytes=kv_cache_memory_bytes),
+                                  memory_bytes=kv_cache_memory_bytes,
+                                  enable_prefix_caching=enable_prefix_caching),
                 scheduler=SchedulerConfig(
                     max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens,
                     long_prefill_token_threshold=long_prefill_token_threshold,
                     max_waiting=max_waiting,
+                    max_waiting_tokens=max_waiting_tokens,
                 ),
             )
             for i in range(num_engines)
@@ -277,7 +281,23 @@ class NativeDriver(Driver):
             kv_blocks_total=sum(s.kv_blocks_total for s in stats),
             preemptions=sum(s.num_preemptions for s in stats),
             generation_tokens_per_s=sum(s.generation_tokens_per_s for s in stats),
+            prompt_tokens_per_s=sum(s.prompt_tokens_per_s for s in stats),
+            waiting_tokens=sum(s.waiting_tokens for s in stats),
+            waiting_work_by_priority=_sum_by_key(s.waiting_work_by_priority for s in stats),
+            max_waiting=sum(s.max_waiting for s in stats),
+            max_num_seqs=sum(e.config.scheduler.max_num_seqs for e in alive),
+            max_waiting_tokens=sum(s.max_waiting_tokens or 0 for s in stats),
+            prefix_cache_hit_rate=(sum(s.prefix_cache_hit_rate for s in stats) / len(stats)) if stats else 0.0,
+            timestamp=min((s.timestamp for s in stats), default=0.0),
         )
+
+
+def _sum_by_key(maps: Iterable[dict[int, int]]) -> dict[int, int]:
+    total: dict[int, int] = {}
+    for m in maps:
+        for key, value in m.items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 def _logprob(entry: LogprobEntry) -> TokenLogprob:

@@ -90,6 +90,10 @@ class SyntheticDriver(Driver):
         self._started = False
         self._created = int(time.time())
         self._tokens_generated = 0
+        self._waiting_tokens = 0
+        self._waiting_work: dict[int, int] = {}  # priority -> prompt + budget of the waiting requests
+        self._rate_sample = (time.monotonic(), 0)  # (when, tokens generated then): throughput window
+        self._rate = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -112,7 +116,21 @@ class SyntheticDriver(Driver):
             detail="synthetic" if self._started else "not started",
             running=self._running,
             waiting=self._waiting,
+            generation_tokens_per_s=self._generation_rate(),
+            waiting_tokens=self._waiting_tokens,
+            waiting_work_by_priority={p: w for p, w in self._waiting_work.items() if w},
+            max_waiting=self.max_waiting,
+            max_num_seqs=self.max_num_seqs,
         )
+
+    def _generation_rate(self) -> float:
+        """Tokens/s over the last >= 1 s window (so frequent polls do not make it noisy)."""
+        now = time.monotonic()
+        then, count = self._rate_sample
+        if now - then >= 1.0:
+            self._rate = (self._tokens_generated - count) / (now - then)
+            self._rate_sample = (now, self._tokens_generated)
+        return self._rate
 
     def nodes(self) -> NodesReport:
         # One pseudo-node: it never slows down, but the admin API and console have something to show.
@@ -186,7 +204,10 @@ class SyntheticDriver(Driver):
         self._admit(request.request_id)  # synchronous: check-and-enqueue cannot interleave
         arrival = time.time()
         live = self._live[request.request_id] = _Live()
+        work = len(prompt_ids) + budget
         self._waiting += 1
+        self._waiting_tokens += len(prompt_ids)
+        self._waiting_work[request.priority] = self._waiting_work.get(request.priority, 0) + work
         acquired = False
         try:
             try:
@@ -194,6 +215,8 @@ class SyntheticDriver(Driver):
                 acquired = True
             finally:
                 self._waiting -= 1
+                self._waiting_tokens -= len(prompt_ids)
+                self._waiting_work[request.priority] -= work
             self._running += 1
             try:
                 async for chunk in self._decode(request, prompt_ids, budget, live, arrival):

@@ -62,6 +62,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
     long_prefill_token_threshold: int = 256  # a single prompt never takes more than this per step
     max_waiting: int = 1024  # bound of the waiting queue; add_request beyond it is refused
+    # Second bound of the waiting queue, in tokens (prompts, plus outputs of preempted requests), so
+    # a burst of long prompts cannot grow memory without bound either. A request is refused when the
+    # queue is not empty and it would take the queue past this; None: no token bound.
+    max_waiting_tokens: int | None = 1 << 18
     # Fair-share weights of tenants within one priority (default 1.0): a tenant of weight 2 gets
     # twice the tokens of a tenant of weight 1 when both have work waiting.
     tenant_weights: dict[str, float] = field(default_factory=dict)
@@ -78,6 +82,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     served_model_name: str | None = None
     seed: int = 0
+    # Steps of at most this many tokens use 4-bit packed copies of weights that repack losslessly
+    # (GGUF Q4_1 layers), ~2x faster for one or a few streams on CPU; 0 turns it off. bf16 only.
+    int4_max_rows: int = 4
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     node_id: str = "node-0"

@@ -77,12 +77,16 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, kv, block_size)
         self.model_name = config.served_model_name or model_cfg.name
+        num_int4 = self.loaded.model.enable_int4(config.int4_max_rows) if hasattr(self.loaded.model, "enable_int4") else 0
+        if num_int4:
+            log.info("int4 copies of %d weight matrices for steps of <= %d tokens", num_int4, config.int4_max_rows)
         self._tracked: dict[str, _Tracked] = {}
         self._eos = frozenset(self.tokenizer.eos_token_ids) if self.tokenizer else frozenset()
         self.steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated in that step)
+        # (time, tokens generated, prompt tokens computed) of each recent step
+        self._recent: deque[tuple[float, int, int]] = deque()
         log.info(
             "engine ready: model=%s dtype=%s max_model_len=%d kv_blocks=%d x %d tokens",
             self.model_name, dtype, self.max_model_len, num_blocks, block_size,
@@ -142,11 +146,12 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(sched, result)
         self.steps += 1
         now = time.time()
-        self.prompt_tokens_total += sum(
+        prompt_tokens = sum(
             s.num_new_tokens for s in sched.scheduled if s.num_computed_before < s.request.num_prompt_tokens
         )
+        self.prompt_tokens_total += prompt_tokens
         self.generation_tokens_total += len(updates)
-        self._recent.append((now, len(updates)))
+        self._recent.append((now, len(updates), prompt_tokens))
         while self._recent and now - self._recent[0][0] > 5.0:
             self._recent.popleft()
         return [self._process(u, now) for u in updates]
@@ -221,9 +226,14 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         usage = self.kv_cache.usage()
         now = time.time()
-        window = [(t, n) for t, n in self._recent if now - t <= 5.0]
+        window = [w for w in self._recent if now - w[0] <= 5.0]
         span = (now - window[0][0]) if len(window) > 1 else 0.0
-        rate = sum(n for _, n in window) / span if span > 0 else 0.0
+        rate = sum(w[1] for w in window) / span if span > 0 else 0.0
+        prompt_rate = sum(w[2] for w in window) / span if span > 0 else 0.0
+        work: dict[int, int] = {}
+        for r in self.scheduler.waiting:
+            left = r.num_tokens - r.num_computed_tokens + r.sampling_params.max_tokens - r.num_output_tokens
+            work[r.priority] = work.get(r.priority, 0) + left
         return EngineStats(
             node_id=self.config.node_id,
             running=len(self.scheduler.running),
@@ -238,6 +248,11 @@ class LLMEngine:
             generation_tokens_per_s=rate,
             steps=self.steps,
             timestamp=now,
+            prompt_tokens_per_s=prompt_rate,
+            waiting_tokens=self.scheduler.waiting.num_tokens,
+            waiting_work_by_priority=work,
+            max_waiting=self.config.scheduler.max_waiting,
+            max_waiting_tokens=self.config.scheduler.max_waiting_tokens,
         )
 
     # ----- convenience for tests and benchmarks -----------------------------------------

@@ -55,6 +55,11 @@ class WaitingQueue:
         self._tiers: dict[int, dict[str, list[tuple[tuple[float, int], Request]]]] = {}
         self._counter = itertools.count()
         self._len = 0
+        self._tokens = 0  # sum of num_tokens of the queued requests (their tokens do not change while queued)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
 
     def __len__(self) -> int:
         return self._len
@@ -76,6 +81,7 @@ class WaitingQueue:
         entry = ((request.arrival_time, next(self._counter)), request)
         bisect.insort(queue, entry, key=lambda e: e[0])
         self._len += 1
+        self._tokens += request.num_tokens
 
     def _next(self) -> tuple[int, str]:
         priority = min(self._tiers)
@@ -110,4 +116,5 @@ class WaitingQueue:
             if not tenants:
                 del self._tiers[priority]
         self._len -= 1
+        self._tokens -= request.num_tokens
         return request

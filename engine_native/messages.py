@@ -99,6 +99,13 @@ class EngineStats(msgspec.Struct, tag="stats", kw_only=True):
     generation_tokens_per_s: float  # over the recent window
     steps: int
     timestamp: float
+    prompt_tokens_per_s: float = 0.0  # prompt tokens computed per second over the recent window
+    waiting_tokens: int = 0  # what SchedulerConfig.max_waiting_tokens bounds
+    # Tokens the waiting requests still have to compute (rest of the prompt + max_tokens not yet
+    # generated), by priority: the work a new request of priority p waits behind is that of p' <= p.
+    waiting_work_by_priority: dict[int, int] = {}
+    max_waiting: int = 0
+    max_waiting_tokens: int | None = None
 
 
 class EngineReady(msgspec.Struct, tag="ready", kw_only=True):

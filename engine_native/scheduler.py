@@ -116,6 +116,11 @@ class Scheduler:
             )
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        token_bound = self.config.max_waiting_tokens
+        if token_bound is not None and len(self.waiting) and self.waiting.num_tokens + n_prompt > token_bound:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.waiting.num_tokens} + {n_prompt} tokens > {token_bound})"
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.push(request)

@@ -61,6 +61,28 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
         help="queued requests beyond the running ones before 503 (SLUICE_MAX_WAITING)",
     )
     p.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        default=env.max_waiting_tokens,
+        help="queued prompt tokens before 503 (SLUICE_MAX_WAITING_TOKENS)",
+    )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=256,
+        help="largest prefill chunk of one request per step (lower: steadier decode latency)",
+    )
+    p.add_argument(
+        "--no-prefix-caching", dest="prefix_caching", action="store_false", help="do not reuse KV of shared prefixes"
+    )
+    p.add_argument(
+        "--no-load-shedding",
+        dest="load_shedding",
+        action="store_false",
+        default=env.load_shedding,
+        help="no early 503s from estimated queue waits; only the queue bounds (SLUICE_LOAD_SHEDDING=0)",
+    )
+    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=env.max_body_bytes,
@@ -113,6 +135,9 @@ def _driver_options(args: argparse.Namespace) -> dict[str, Any]:
         "served_model_name": args.served_model_name,
         "num_threads": args.num_threads,
         "max_waiting": args.max_waiting,
+        "max_waiting_tokens": args.max_waiting_tokens,
+        "long_prefill_token_threshold": args.long_prefill_token_threshold,
+        "enable_prefix_caching": args.prefix_caching,
         **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
     }
 
@@ -132,6 +157,8 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
             "driver": args.driver,
             "model": args.model,
             "max_waiting": args.max_waiting,
+            "max_waiting_tokens": args.max_waiting_tokens,
+            "load_shedding": args.load_shedding,
             "max_body_bytes": args.max_body_bytes,
             "stream_timeout_s": args.stream_timeout,
             "log_level": args.log_level.upper(),

@@ -63,6 +63,9 @@ class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM extension, used by benchmarks
+    # vLLM extension: lower = more important. With auth it can only lower importance below the tenant's
+    # tier (the larger of the two wins); with --no-auth it is used as is. Default: the tier (0 without auth).
+    priority: Annotated[int, Meta(ge=0, le=1000)] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

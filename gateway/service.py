@@ -6,7 +6,8 @@ byte is sent; errors after the stream has started become an SSE error event.
 
 With a tenant gate (auth on), a request from `caller` runs:
 
-    dispatch (count prompt tokens) -> gate.admit(prompt + max_tokens) -> driver
+    dispatch (count prompt tokens) -> shed? (estimated queue wait vs the tier's TTFT target, 503)
+        -> gate.admit(prompt + max_tokens) -> driver
         -> finally gate.finish(actual tokens, status): refund + usage record, once
 """
 
@@ -24,6 +25,7 @@ from drivers.base import Driver, DriverError
 from gateway.admission import TenantGate, Ticket
 from gateway.errors import error_from_driver
 from gateway.fanout import Fanout, LifetimeExceededError
+from gateway.load_shedding import LoadShedder, Pending, SheddingPolicy
 from gateway.metrics import GatewayMetrics
 from observability.hub import TRACE_PARENT, Observability
 from observability.timeline import RequestTimeline
@@ -62,11 +64,15 @@ class CompletionService:
         self.gate = gate  # None: auth is off, nothing is limited or recorded
         self.observability: Observability | None = None  # create_app sets it; None: request metrics off
         self._timelines: dict[str, RequestTimeline] = {}  # running requests, for metrics and traces
+        self.shedder = LoadShedder(
+            SheddingPolicy(settings.ttft_targets_s, settings.queue_share, settings.load_shedding)
+        )
+        self._pending: dict[str, Pending] = {}  # admitted by the shedder, first token not yet seen
 
     async def chat(self, body: ChatCompletionRequest, rid: str, caller: TenantContext | None = None) -> Reply:
         cap = self.settings.max_default_tokens
         dispatch = self._dispatch(lambda: chat_dispatch(body, rid, self.driver, cap), caller, rid, body.model)
-        ticket = await self._admit(dispatch, caller)
+        ticket = await self._shed_or_admit(dispatch, caller)
         created = int(time.time())
         logprobs = dispatch.logprobs is not None
         if body.stream:
@@ -84,7 +90,7 @@ class CompletionService:
         dispatch = self._dispatch(
             lambda: completion_dispatch(body, rid, self.driver, cap), caller, rid, body.model
         )
-        ticket = await self._admit(dispatch, caller)
+        ticket = await self._shed_or_admit(dispatch, caller)
         created = int(time.time())
         logprobs = dispatch.logprobs is not None
         if body.stream:
@@ -108,14 +114,37 @@ class CompletionService:
             raise
         if caller is None:
             return dispatch
-        # The tenant's tier orders its work in the engine (lower = sooner); see tenants.models.
+        # The tenant's tier orders its work in the engine (lower = sooner); see tenants.models. A request's
+        # own `priority` may only lower its importance below the tier, never raise it.
         requests = [
-            msgspec.structs.replace(r, priority=caller.priority, tenant_id=caller.tenant_id)
+            msgspec.structs.replace(r, priority=max(caller.priority, r.priority), tenant_id=caller.tenant_id)
             for r in dispatch.requests
         ]
         return Dispatch(
             dispatch.request_id, dispatch.model, requests, dispatch.prompt_tokens, dispatch.logprobs
         )
+
+    async def _shed_or_admit(self, dispatch: Dispatch, caller: TenantContext | None) -> Ticket | None:
+        """Refuse now (OverloadedError: 503 + Retry-After) what would miss its tier's TTFT target; then
+        the tenant's limits. The request counts as queued in the shedder until its first token (`_open`)."""
+        first = dispatch.requests[0]
+        max_tokens = sum(r.max_tokens or 0 for r in dispatch.requests)
+        health = await self.driver.health()
+        try:
+            pending = self.shedder.admit(health, first.priority, dispatch.prompt_tokens, max_tokens)
+        except DriverError as exc:
+            if self.gate is not None and caller is not None:
+                self.gate.refuse(caller, dispatch.request_id, dispatch.model, "shed")
+            log.info("shed", extra={"request_id": dispatch.request_id, "priority": first.priority,
+                                    "reason": str(exc)})
+            raise
+        try:
+            ticket = await self._admit(dispatch, caller)
+        except BaseException:
+            self.shedder.started(pending)
+            raise
+        self._pending[dispatch.request_id] = pending
+        return ticket
 
     async def _admit(self, dispatch: Dispatch, caller: TenantContext | None) -> Ticket | None:
         if self.gate is None or caller is None:
@@ -145,6 +174,10 @@ class CompletionService:
             if ticket is not None and self.gate is not None:
                 await _settle(self.gate.finish(ticket, dispatch.prompt_tokens, 0, None, type(exc).__name__))
             raise
+        finally:
+            pending = self._pending.pop(dispatch.request_id, None)
+            if pending is not None:
+                self.shedder.started(pending)
         ttft = loop.time() - started
         self.metrics.ttft.labels(model=dispatch.model).observe(ttft)
         return fanout, started, ttft

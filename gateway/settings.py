@@ -21,6 +21,19 @@ class Settings:
     """Largest request body accepted; bigger bodies get 413 (SLUICE_MAX_BODY_BYTES)."""
     max_waiting: int = 256
     """Requests the driver may queue beyond those running before it sheds load with 503 (SLUICE_MAX_WAITING)."""
+    max_waiting_tokens: int = 1 << 18
+    """Tokens (prompts) the engine may queue beyond those running before it sheds load with 503
+    (SLUICE_MAX_WAITING_TOKENS)."""
+    load_shedding: bool = True
+    """Refuse early (503 + Retry-After) requests whose estimated queue wait exceeds their tier's TTFT
+    target, or that would fill their tier's share of the queue (SLUICE_LOAD_SHEDDING=0 turns it off;
+    the queue bounds still apply). See gateway/load_shedding.py."""
+    ttft_targets_s: tuple[float, ...] = (2.0, 10.0, 30.0)
+    """TTFT target of each priority tier, 0 first; tiers past the last use the last
+    (SLUICE_TTFT_TARGETS_S, comma-separated seconds)."""
+    queue_share: tuple[float, ...] = (1.0, 0.9, 0.75)
+    """Fraction of the waiting queue's bounds each tier may fill, so lower tiers leave headroom to higher
+    ones (SLUICE_QUEUE_SHARE, comma-separated)."""
     log_level: str = "INFO"
     """Root log level (SLUICE_LOG_LEVEL)."""
     max_default_tokens: int = 4096
@@ -72,6 +85,10 @@ class Settings:
             model=e.get("SLUICE_MODEL") or d.model,
             max_body_bytes=int(e.get("SLUICE_MAX_BODY_BYTES", d.max_body_bytes)),
             max_waiting=int(e.get("SLUICE_MAX_WAITING", d.max_waiting)),
+            max_waiting_tokens=int(e.get("SLUICE_MAX_WAITING_TOKENS", d.max_waiting_tokens)),
+            load_shedding=e.get("SLUICE_LOAD_SHEDDING", "1").lower() not in ("0", "false", "off", "no"),
+            ttft_targets_s=_floats(e.get("SLUICE_TTFT_TARGETS_S"), d.ttft_targets_s),
+            queue_share=_floats(e.get("SLUICE_QUEUE_SHARE"), d.queue_share),
             log_level=e.get("SLUICE_LOG_LEVEL", d.log_level).upper(),
             max_default_tokens=int(e.get("SLUICE_MAX_DEFAULT_TOKENS", d.max_default_tokens)),
             stream_timeout_s=float(e.get("SLUICE_STREAM_TIMEOUT_S", d.stream_timeout_s)),
@@ -93,6 +110,8 @@ class Settings:
         )
 
     def __post_init__(self) -> None:
+        if not self.ttft_targets_s or not self.queue_share:
+            raise ValueError("SLUICE_TTFT_TARGETS_S and SLUICE_QUEUE_SHARE need at least one value")
         if self.ratelimit_fail_mode not in ("open", "closed"):
             raise ValueError(
                 f"SLUICE_RATELIMIT_FAIL_MODE must be open or closed, not {self.ratelimit_fail_mode!r}"
@@ -100,3 +119,10 @@ class Settings:
 
     def __repr__(self) -> str:  # keep secrets out of logs
         return f"Settings(host={self.host!r}, port={self.port}, driver={self.driver!r}, model={self.model!r})"
+
+
+def _floats(text: str | None, default: tuple[float, ...]) -> tuple[float, ...]:
+    """'2,10,30' -> (2.0, 10.0, 30.0); unset or empty: the default."""
+    if not text or not text.strip():
+        return default
+    return tuple(float(part) for part in text.split(","))

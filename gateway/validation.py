@@ -100,6 +100,7 @@ def _base_request(
         stop=body.stop_list(),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        priority=body.priority or 0,
     )
 
 

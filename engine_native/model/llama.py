@@ -17,6 +17,7 @@ from engine_native.config import ModelConfig
 from engine_native.forward_batch import ForwardBatch, KVCache
 from engine_native.model.attention import AttentionPlan, paged_attention, write_kv
 from engine_native.model.base import ModelLoadError
+from engine_native.model.int4 import PackedInt4, int4_kernel_available, int4_linear, pack_int4_lossless
 from engine_native.model.rope import RotaryTable, apply_rotary
 
 
@@ -50,6 +51,24 @@ class DecoderLayer(nn.Module):
         self.down_weight = _frozen(w("mlp.down_proj.weight"))
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        # 4-bit copies for steps of at most `int4_max_rows` tokens (see model/int4.py); empty = off.
+        self.int4: dict[str, PackedInt4] = {}
+        self.int4_max_rows = 0
+
+    def enable_int4(self, max_rows: int) -> int:
+        """Pack the weights that repack losslessly; returns how many did."""
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            packed = pack_int4_lossless(getattr(self, name).data)
+            if packed is not None:
+                self.int4[name] = packed
+        self.int4_max_rows = max_rows
+        return len(self.int4)
+
+    def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed = self.int4.get(name)
+        if packed is not None and x.shape[0] <= self.int4_max_rows and x.dtype == torch.bfloat16:
+            return int4_linear(x, packed, bias)
+        return F.linear(x, getattr(self, name), bias)
 
     def forward(
         self,
@@ -64,16 +83,16 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         t = x.shape[0]
         h = F.rms_norm(x, (x.shape[-1],), self.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        qkv = self._linear(h, "qkv_weight", self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         write_kv(k_cache, v_cache, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), slots)
         attn = paged_attention(q, k_cache, v_cache, plan)
-        x = x + F.linear(attn.reshape(t, self.q_size), self.o_weight)
+        x = x + self._linear(attn.reshape(t, self.q_size), "o_weight")
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self._linear(h, "gate_up_weight").chunk(2, dim=-1)
+        return x + self._linear(F.silu(gate) * up, "down_weight")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -97,6 +116,13 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
         )
         self._check_shapes()
+
+    def enable_int4(self, max_rows: int) -> int:
+        """Use 4-bit weight copies for steps of at most `max_rows` tokens (bf16 on CPU only), where
+        they repack losslessly. Returns the number of weight matrices packed."""
+        if self.dtype != torch.bfloat16 or max_rows <= 0 or not int4_kernel_available():
+            return 0
+        return sum(layer.enable_int4(max_rows) for layer in self.layers)  # type: ignore[operator]
 
     def _check_shapes(self) -> None:
         cfg = self.config

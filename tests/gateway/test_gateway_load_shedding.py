@@ -1,0 +1,179 @@
+"""Admission control without a model: the shedder's decisions from hand-made driver health, and the
+whole path through the app on the synthetic driver (503 + Retry-After, lowest tier first)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from drivers.base import DriverHealth, OverloadedError
+from drivers.synthetic import SyntheticDriver
+from gateway.app import create_app
+from gateway.load_shedding import LoadShedder, SheddingPolicy
+from gateway.settings import Settings
+
+
+def health(**kw: object) -> DriverHealth:
+    base: dict[str, object] = {
+        "ready": True,
+        "running": 8,
+        "max_num_seqs": 8,
+        "max_waiting": 100,
+        "max_waiting_tokens": 10_000,
+        "prompt_tokens_per_s": 500.0,
+        "generation_tokens_per_s": 500.0,
+    }
+    return DriverHealth(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def outcome(shedder: LoadShedder, h: DriverHealth, priority: int, prompt: int = 10, max_tokens: int = 10) -> str:
+    try:
+        shedder.admit(h, priority, prompt, max_tokens)
+    except OverloadedError as exc:
+        assert exc.retry_after >= 1
+        return "shed"
+    return "admitted"
+
+
+def test_wait_counts_only_work_of_equal_or_higher_priority() -> None:
+    shedder = LoadShedder(SheddingPolicy())
+    h = health(waiting=30, waiting_work_by_priority={0: 1_000, 1: 4_000, 2: 20_000})
+    assert shedder.estimate(h, 0).wait_s == pytest.approx(1.0)
+    assert shedder.estimate(h, 1).wait_s == pytest.approx(5.0)
+    assert shedder.estimate(h, 2).wait_s == pytest.approx(25.0)
+
+
+def test_under_overload_tier_2_is_shed_while_tier_0_is_admitted() -> None:
+    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(2.0, 10.0, 30.0)))
+    # 40 s of tier-2 work queued at 1,000 tokens/s: tier 2 would wait 40 s > 30 s; tier 0 waits ~0.
+    h = health(waiting=40, waiting_work_by_priority={2: 40_000})
+    assert outcome(shedder, h, 2) == "shed"
+    assert outcome(shedder, h, 1) == "admitted"
+    assert outcome(shedder, h, 0) == "admitted"
+    assert shedder.shed_total == {2: 1}
+
+
+def test_a_growing_backlog_sheds_tiers_from_the_lowest_up() -> None:
+    """Sweep the backlog: the backlog at which each tier is first shed grows with its importance."""
+    first_shed: dict[int, int] = {}
+    for backlog_s in range(0, 400, 5):
+        # A realistic mix: most of the queue is batch work, a little is premium.
+        work = {0: backlog_s * 1000 // 100, 1: backlog_s * 1000 * 9 // 100, 2: backlog_s * 1000 * 90 // 100}
+        h = health(waiting=min(backlog_s, 60), waiting_work_by_priority=work)
+        for tier in (0, 1, 2):
+            if tier not in first_shed and outcome(LoadShedder(SheddingPolicy()), h, tier) == "shed":
+                first_shed[tier] = backlog_s
+    assert first_shed[2] < first_shed[1] < first_shed[0]
+
+
+def test_retry_after_is_the_time_until_the_wait_meets_the_target() -> None:
+    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(2.0, 10.0, 30.0)))
+    h = health(waiting=50, waiting_work_by_priority={2: 45_000})  # 45 s vs 30 s
+    with pytest.raises(OverloadedError) as info:
+        shedder.admit(h, 2, 10, 10)
+    assert info.value.retry_after == 15
+
+
+def test_queue_share_keeps_headroom_for_higher_tiers_before_any_throughput_is_measured() -> None:
+    shedder = LoadShedder(SheddingPolicy(queue_share=(1.0, 0.9, 0.75)))
+    # A burst at an engine whose running slots are full and whose figures have not caught up yet.
+    h = health(running=8, waiting=0, prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0)
+    for _ in range(75):
+        assert outcome(shedder, h, 2) == "admitted"
+    assert shedder.estimate(h, 2).wait_s is None  # nothing measured: only the shares decide
+    assert outcome(shedder, h, 2) == "shed"
+    for _ in range(15):
+        assert outcome(shedder, h, 1) == "admitted"  # up to 90
+    assert outcome(shedder, h, 1) == "shed"
+    for _ in range(10):
+        assert outcome(shedder, h, 0) == "admitted"  # up to the whole bound
+    assert outcome(shedder, h, 0) == "shed"
+
+
+def test_token_bound_share() -> None:
+    shedder = LoadShedder(SheddingPolicy(queue_share=(1.0, 0.9, 0.5)))
+    h = health(waiting=2, waiting_tokens=4_900, waiting_work_by_priority={0: 10})
+    assert outcome(shedder, h, 2, prompt=200) == "shed"  # 5,100 > 5,000
+    assert outcome(shedder, h, 0, prompt=200) == "admitted"
+
+
+def test_requests_sent_and_not_started_count_until_their_first_token() -> None:
+    """The engine's figures lag a burst; the gateway's own count of what it sent does not."""
+    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(2.0, 10.0, 30.0)))
+    h = health(running=0, max_num_seqs=4, waiting=0, waiting_work_by_priority={})
+    sent = [shedder.admit(h, 0, 100, 100) for _ in range(4)]  # they take the free running slots
+    assert shedder.estimate(h, 0).waiting == 0
+    sent.append(shedder.admit(h, 1, 100, 100))
+    est = shedder.estimate(h, 1)
+    assert est.waiting == 1 and est.waiting_tokens == 500 and est.wait_s == pytest.approx(1.0)
+    assert shedder.estimate(h, 0).wait_s == pytest.approx(0.8)  # tier 1's work is not ahead of tier 0
+    # Fresher engine figures that already show more work win over the local count.
+    busy = health(running=4, max_num_seqs=4, waiting=20, waiting_work_by_priority={0: 5_000})
+    assert shedder.estimate(busy, 0).wait_s == pytest.approx(5.0)
+    for pending in sent + sent:  # started() twice is harmless
+        shedder.started(pending)
+    assert shedder._queued == {}
+    assert shedder.estimate(h, 2).wait_s == 0.0
+
+
+def test_disabled_policy_admits_everything() -> None:
+    shedder = LoadShedder(SheddingPolicy(enabled=False))
+    h = health(waiting=100, waiting_work_by_priority={2: 10**9})
+    assert outcome(shedder, h, 2) == "admitted"
+
+
+def test_through_the_app_on_the_synthetic_driver_lowest_tier_is_refused_first() -> None:
+    """A slow synthetic engine with a queue of 8: a burst of tier-2 requests fills its share (6) and the
+    rest get 503 + Retry-After; tier 0 still gets in; the body's priority is used as is without auth."""
+    driver = SyntheticDriver(tokens_per_second=20, ttft_s=0.01, max_num_seqs=2, max_waiting=8)
+    settings = Settings(auth=False, queue_share=(1.0, 0.9, 0.75), max_waiting=8)
+    app = create_app(settings, driver)
+
+    async def main() -> tuple[list[int], list[int], set[str]]:
+        async with _Lifespan(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as client:
+
+                async def one(priority: int) -> httpx.Response:
+                    body = {"prompt": "a b c", "max_tokens": 3, "priority": priority}
+                    return await client.post("/v1/completions", json=body)
+
+                low = await asyncio.gather(*(one(2) for _ in range(20)))
+                high = await asyncio.gather(*(one(0) for _ in range(2)))
+                retry = {r.headers.get("retry-after", "") for r in low if r.status_code == 503}
+                return [r.status_code for r in low], [r.status_code for r in high], retry
+
+    low, high, retry = asyncio.run(main())
+    assert set(low) == {200, 503}
+    assert low.count(200) == 2 + 6  # running slots + tier 2's share of the queue
+    assert all(r.isdigit() and int(r) >= 1 for r in retry)
+    assert high == [200, 200]
+
+
+def test_body_priority_rejects_negative_values() -> None:
+    app = create_app(Settings(auth=False), SyntheticDriver(tokens_per_second=0, ttft_s=0))
+    from litestar.testing import TestClient
+
+    with TestClient(app) as client:
+        resp = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "priority": -1})
+        assert resp.status_code == 400
+        resp = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "priority": 2})
+        assert resp.status_code == 200
+
+
+class _Lifespan:
+    def __init__(self, app) -> None:  # type: ignore[no-untyped-def]
+        self.app = app
+
+    async def __aenter__(self) -> None:
+        for hook in self.app.on_startup:
+            await hook(self.app)
+        self._cm = [cm(self.app) for cm in self.app._lifespan_managers]
+        for cm in self._cm:
+            await cm.__aenter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        for cm in reversed(self._cm):
+            await cm.__aexit__(None, None, None)
