@@ -77,7 +77,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, kv, block_size)
         self.model_name = config.served_model_name or model_cfg.name
-        num_int4 = self.loaded.model.enable_int4(config.int4_max_rows) if hasattr(self.loaded.model, "enable_int4") else 0
+        num_int4 = self.loaded.model.enable_int4(config.int4_max_rows)
         if num_int4:
             log.info("int4 copies of %d weight matrices for steps of <= %d tokens", num_int4, config.int4_max_rows)
         self._tracked: dict[str, _Tracked] = {}

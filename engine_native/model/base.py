@@ -28,6 +28,11 @@ class CausalLM(Protocol):
         [len(batch.logits_indices), vocab_size]."""
         ...
 
+    def enable_int4(self, max_rows: int) -> int:
+        """Use 4-bit weight copies for steps of at most `max_rows` tokens where lossless; returns how
+        many weight matrices were packed (0 where unsupported)."""
+        ...
+
 
 class Tokenizer(Protocol):
     bos_token_id: int | None
