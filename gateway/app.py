@@ -23,6 +23,7 @@ from gateway.service import CompletionService
 from gateway.settings import Settings
 from gateway.tenancy import Tenancy
 from observability.hub import Observability, ObservabilityConfig
+from web import console_router
 
 
 def create_app(settings: Settings, driver: Driver) -> Litestar:
@@ -70,7 +71,7 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
         if message["type"] == "http.response.start":
             metrics.observe_response(scope["path"], message["status"])
 
-    routes: list[ControllerRouterHandler] = [*OPENAI_ROUTES, *HEALTH_ROUTES]
+    routes: list[ControllerRouterHandler] = [*OPENAI_ROUTES, *HEALTH_ROUTES, console_router()]
     if settings.auth:
         routes += ADMIN_ROUTES
     routes += NODE_ROUTES

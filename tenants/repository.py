@@ -102,6 +102,24 @@ class UsageRepository:
         rows = (await self.session.execute(query)).all()
         return [(str(g), int(n), int(p), int(c)) for g, n, p, c in rows]
 
+    async def completed_latencies(
+        self, tenant_id: str, start: dt.datetime, end: dt.datetime, limit: int
+    ) -> list[tuple[dt.datetime, str, float | None, float]]:
+        """(created_at, model, ttft_ms, latency_ms) of completed requests in [start, end), newest first."""
+        query = (
+            select(UsageRecord.created_at, UsageRecord.model, UsageRecord.ttft_ms, UsageRecord.latency_ms)
+            .where(
+                UsageRecord.tenant_id == tenant_id,
+                UsageRecord.status == "ok",
+                UsageRecord.created_at >= start,
+                UsageRecord.created_at < end,
+            )
+            .order_by(UsageRecord.created_at.desc())
+            .limit(limit)
+        )
+        rows = (await self.session.execute(query)).all()
+        return [(t, str(m), None if f is None else float(f), float(n)) for t, m, f, n in rows]
+
     @staticmethod
     def _day(session: AsyncSession) -> ColumnElement[str]:
         if session.get_bind().dialect.name == "postgresql":

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.keys import display_prefix, generate_key, hash_key
+from tenants.latency import MAX_SAMPLES, LatencyReport, LatencySample
 from tenants.models import STANDARD, ApiKey, Tenant, TenantStatus, utcnow
 from tenants.repository import ApiKeyRepository, TenantRepository, UsageRepository
 
@@ -164,19 +165,40 @@ class TenantService:
         group_by: Literal["day", "model"],
     ) -> UsageReport:
         """Usage in [start, end); defaults: the current calendar month (UTC) up to now."""
-        now = utcnow()
-        start = _aware(start, "start") if start else month_start(now)
-        end = _aware(end, "end") if end else now + dt.timedelta(seconds=1)
-        if start >= end:
-            raise InvalidInputError("start must be before end", "start")
+        start, end = _window(start, end)
         async with self.sessions() as session:
             await _tenant(session, tenant_id)
             rows = await UsageRepository(session).grouped(tenant_id, start, end, group_by)
         return UsageReport(tenant_id, start, end, group_by, [UsageGroup(*row) for row in rows])
 
+    async def latency(
+        self,
+        tenant_id: str,
+        start: dt.datetime | None,
+        end: dt.datetime | None,
+        group_by: Literal["day", "model"],
+    ) -> LatencyReport:
+        """TTFT and end-to-end percentiles of completed requests in [start, end); defaults as usage()."""
+        start, end = _window(start, end)
+        async with self.sessions() as session:
+            await _tenant(session, tenant_id)
+            rows = await UsageRepository(session).completed_latencies(tenant_id, start, end, MAX_SAMPLES + 1)
+        samples = [LatencySample(*row) for row in rows[:MAX_SAMPLES]]
+        return LatencyReport.of(tenant_id, start, end, group_by, samples, truncated=len(rows) > MAX_SAMPLES)
+
 
 def month_start(now: dt.datetime) -> dt.datetime:
     return now.astimezone(dt.UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+
+def _window(start: dt.datetime | None, end: dt.datetime | None) -> tuple[dt.datetime, dt.datetime]:
+    """[start, end) of a report; defaults: the current calendar month (UTC) up to now."""
+    now = utcnow()
+    start = _aware(start, "start") if start else month_start(now)
+    end = _aware(end, "end") if end else now + dt.timedelta(seconds=1)
+    if start >= end:
+        raise InvalidInputError("start must be before end", "start")
+    return start, end
 
 
 def _aware(value: dt.datetime, param: str) -> dt.datetime:

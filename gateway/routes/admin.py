@@ -1,4 +1,4 @@
-"""The admin API (tenants, keys, usage) and a tenant's own usage at /v1/usage.
+"""The admin API (tenants, keys, usage, models) and a tenant's own usage at /v1/usage.
 
 Handlers translate between the wire schemas and `tenants.service`; the admin
 guard is the `admin` dependency, the tenant one `caller` (see gateway.auth).
@@ -13,11 +13,13 @@ from litestar import Request, delete, get, patch, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody, QueryParameter
 
+from drivers.base import Driver
 from gateway.admin_schemas import (
     KeyCreate,
     KeyCreated,
     KeyList,
     KeyOut,
+    LatencyOut,
     TenantCreate,
     TenantList,
     TenantOut,
@@ -25,6 +27,7 @@ from gateway.admin_schemas import (
     UsageOut,
 )
 from gateway.auth import ADMIN_SECURITY, TENANT_SECURITY
+from gateway.schemas import ModelList, ModelObject
 from gateway.tenancy import Tenancy
 from tenants.auth import TenantContext
 from tenants.errors import AuthenticationError
@@ -128,6 +131,40 @@ async def own_usage(
     return UsageOut.of(await _tenants(request).usage(caller.tenant_id, start, end, group_by))
 
 
+@get("/admin/tenants/{tenant_id:str}/latency", security=ADMIN_SECURITY, tags=["admin"])
+async def tenant_latency(
+    request: Request,
+    tenant_id: FromPath[str],
+    admin: NamedDependency[None],
+    start: Start = None,
+    end: End = None,
+    group_by: Annotated[GroupBy, QueryParameter()] = "day",
+) -> LatencyOut:
+    return LatencyOut.of(await _tenants(request).latency(tenant_id, start, end, group_by))
+
+
+@get("/v1/usage/latency", security=TENANT_SECURITY, tags=["usage"])
+async def own_latency(
+    request: Request,
+    caller: NamedDependency[TenantContext | None],
+    start: Start = None,
+    end: End = None,
+    group_by: Annotated[GroupBy, QueryParameter()] = "day",
+) -> LatencyOut:
+    """p50/p90/p99 of the calling tenant's time to first token and end-to-end latency."""
+    if caller is None:
+        raise AuthenticationError("Usage needs an API key")
+    return LatencyOut.of(await _tenants(request).latency(caller.tenant_id, start, end, group_by))
+
+
+@get("/admin/models", security=ADMIN_SECURITY, tags=["admin"])
+async def admin_models(driver: NamedDependency[Driver], admin: NamedDependency[None]) -> ModelList:
+    """What /v1/models lists, for the admin key (which is no tenant's and so cannot call /v1)."""
+    return ModelList(
+        data=[ModelObject(c.id, c.created, c.owned_by, c.max_model_len) for c in driver.models()]
+    )
+
+
 ADMIN_ROUTES = [
     create_tenant,
     list_tenants,
@@ -139,4 +176,7 @@ ADMIN_ROUTES = [
     revoke_key,
     tenant_usage,
     own_usage,
+    tenant_latency,
+    own_latency,
+    admin_models,
 ]

@@ -1,0 +1,87 @@
+"""A real `sluice serve` with auth on, and Debian's chromium driven by Playwright, for the console test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))  # gateway_server: starts real servers
+
+from gateway_server import Server, start_server
+
+ADMIN_KEY = "console-test-admin-key"  # test_web_console.py signs in with it
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = Path(__file__).parents[2] / "artifacts" / "web"
+
+
+def _chromium() -> tuple[str | None, str]:
+    """Debian's chromium (installing it as `make setup` does, when we are root), or why there is none."""
+    found = shutil.which("chromium")
+    if found:
+        return found, ""
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return None, "chromium is not installed and this user cannot apt-get it (run `make setup` as root)"
+    result = subprocess.run(
+        "apt-get update && apt-get install -y chromium",
+        check=False,
+        shell=True,
+        capture_output=True,
+        timeout=900,
+    )
+    found = shutil.which("chromium")
+    if found:
+        return found, ""
+    return None, f"apt-get install chromium failed: {result.stderr.decode(errors='replace')[-500:]}"
+
+
+@pytest.fixture(scope="session")
+def chromium_path() -> str:
+    path, reason = _chromium()
+    if path is None:
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture(scope="session")
+def browser(chromium_path: str) -> Iterator[object]:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extras")
+    with sync_api.sync_playwright() as p:
+        instance = p.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
+        try:
+            yield instance
+        finally:
+            instance.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    env = {
+        "SLUICE_ADMIN_KEY": ADMIN_KEY,
+        "SLUICE_DATA_DIR": str(tmp_path_factory.mktemp("console-db")),  # a fresh SQLite database
+        "DATABASE_URL": "",
+        "REDIS_URL": "",
+        "SLUICE_USAGE_FLUSH_MS": "50",
+    }
+    options = ("--synthetic-tokens-per-second", "400", "--synthetic-ttft-ms", "5")
+    yield from start_server(*options, auth=True, env=env)
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return ARTIFACTS

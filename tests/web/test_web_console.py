@@ -1,0 +1,197 @@
+"""The web console in headless Chromium against a real `sluice serve --driver synthetic` with auth on.
+
+A tenant signs in and sees charts whose numbers are the ones /v1/usage reports; the admin signs
+in, issues and revokes keys in the UI, and the API then refuses the revoked key. Screenshots go to
+artifacts/web/."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from gateway_server import Server
+
+ADMIN_KEY = "console-test-admin-key"  # the server fixture (conftest.py) starts with this one
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+REQUESTS = 5
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def chat(server: Server, key: str, max_tokens: int = 6) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "hello console"}], "max_tokens": max_tokens}
+    return httpx.post(f"{server.v1}/chat/completions", json=body, headers=bearer(key), timeout=30)
+
+
+def admin_post(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(f"{server.base_url}{path}", json=body, headers=ADMIN)
+    assert response.status_code == 201, response.text
+    data: dict[str, Any] = response.json()
+    return data
+
+
+@pytest.fixture(scope="module")
+def tenant(server: Server) -> dict[str, Any]:
+    """A tenant with two keys and REQUESTS completed chats, once its usage is visible in the API."""
+    t = admin_post(server, "/admin/tenants", {"name": f"acme-{uuid.uuid4().hex[:6]}", "max_concurrent": None})
+    main = admin_post(server, f"/admin/tenants/{t['id']}/keys", {"name": "main"})
+    spare = admin_post(server, f"/admin/tenants/{t['id']}/keys", {"name": "spare"})
+    for i in range(REQUESTS):
+        assert chat(server, main["key"], max_tokens=4 + i).status_code == 200
+    deadline = time.monotonic() + 10
+    while True:
+        usage = httpx.get(
+            f"{server.v1}/usage", params={"group_by": "day"}, headers=bearer(main["key"])
+        ).json()
+        if sum(b["requests"] for b in usage["data"]) == REQUESTS or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    return {"tenant": t, "main": main, "spare": spare}
+
+
+def open_console(browser: Any, server: Server) -> tuple[Any, Any, list[str]]:
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, service_workers="block")
+    page = context.new_page()
+    seen: list[str] = []  # console lines and request URLs: a key must never show up in either
+    page.on("console", lambda m: seen.append(m.text))
+    page.on("pageerror", lambda e: seen.append(f"pageerror: {e}"))
+    page.on("request", lambda r: seen.append(r.url))
+    page.goto(f"{server.base_url}/console/")
+    return context, page, seen
+
+
+def sign_in(page: Any, key: str) -> None:
+    page.fill("#key", key)
+    page.click("form[data-form=sign-in] button[type=submit]")
+
+
+def value(page: Any, selector: str) -> float:
+    page.wait_for_selector(selector, state="attached")
+    return float(page.get_attribute(selector, "data-value"))
+
+
+def test_tenant_sees_its_usage_and_latency_as_charts(
+    browser: Any, server: Server, tenant: dict[str, Any], artifacts: Path
+) -> None:
+    key = tenant["main"]["key"]
+    usage_day = httpx.get(f"{server.v1}/usage", params={"group_by": "day"}, headers=bearer(key)).json()
+    usage_model = httpx.get(f"{server.v1}/usage", params={"group_by": "model"}, headers=bearer(key)).json()
+    latency = httpx.get(f"{server.v1}/usage/latency", headers=bearer(key)).json()
+    today = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+    [day] = usage_day["data"]
+    assert day["group"] == today and day["requests"] == REQUESTS
+    assert latency["overall"]["requests"] == REQUESTS
+    assert latency["overall"]["latency_ms"]["p50"] <= latency["overall"]["latency_ms"]["p99"]
+
+    context, page, seen = open_console(browser, server)
+    try:
+        sign_in(page, key)
+        page.wait_for_selector("svg[data-chart=requests-per-day]")
+        assert page.text_content("[data-state=who]") == "Tenant"
+        bar = f"svg[data-chart=requests-per-day] rect[data-category='{today}'][data-series=requests]"
+        assert value(page, bar) == REQUESTS
+        tokens = f"svg[data-chart=tokens-per-day] rect[data-category='{today}']"
+        assert value(page, f"{tokens}[data-series=prompt_tokens]") == day["prompt_tokens"]
+        assert value(page, f"{tokens}[data-series=completion_tokens]") == day["completion_tokens"]
+        for b in usage_model["data"]:
+            model = f"svg[data-chart=tokens-per-model] rect[data-category='{b['group']}']"
+            assert value(page, f"{model}[data-series=completion_tokens]") == b["completion_tokens"]
+        for metric in ("requests", "prompt_tokens", "completion_tokens", "total_tokens"):
+            assert value(page, f"[data-metric={metric}]") == day[metric]
+        pct = "svg[data-chart=latency-percentiles] rect[data-category='{}'][data-series={}]"
+        for q in ("p50", "p90", "p99"):
+            assert value(page, pct.format("End to end", q)) == latency["overall"]["latency_ms"][q]
+            assert value(page, pct.format("TTFT", q)) == latency["overall"]["ttft_ms"][q]
+        dot = f"svg[data-chart=latency-per-day] circle[data-category='{today}'][data-series=p99]"
+        assert value(page, dot) == latency["data"][0]["latency_ms"]["p99"]
+        # Numbers the user reads, not only attributes: the stat card shows the request count.
+        assert page.text_content("[data-metric=requests] .stat-value") == str(REQUESTS)
+
+        assert page.evaluate("sessionStorage.getItem('sluice.console.key')") == key
+        assert page.evaluate("localStorage.length") == 0
+        page.screenshot(path=str(artifacts / "console-tenant.png"), full_page=True)
+
+        page.click("[data-action=sign-out]")
+        page.wait_for_selector("form[data-form=sign-in]")
+        assert page.evaluate("sessionStorage.length") == 0
+        assert not [line for line in seen if key in line or line.startswith("pageerror")], seen
+    finally:
+        context.close()
+
+
+def test_a_wrong_key_is_refused_at_sign_in(browser: Any, server: Server) -> None:
+    context, page, _ = open_console(browser, server)
+    try:
+        sign_in(page, "sk-sluice-not-a-real-key")
+        page.wait_for_selector("[data-state=sign-in-error]:has-text('Key refused')")
+        assert page.evaluate("sessionStorage.length") == 0
+    finally:
+        context.close()
+
+
+def test_admin_manages_keys_and_sees_nodes_and_models(
+    browser: Any, server: Server, tenant: dict[str, Any], artifacts: Path
+) -> None:
+    t, main, spare = tenant["tenant"], tenant["main"], tenant["spare"]
+    assert chat(server, spare["key"]).status_code == 200  # the key works before the admin revokes it
+
+    context, page, seen = open_console(browser, server)
+    try:
+        sign_in(page, ADMIN_KEY)
+        page.wait_for_selector(f"tr[data-tenant-id='{t['id']}']")
+        assert page.text_content("[data-state=who]") == "Admin"
+        page.click(f"tr[data-tenant-id='{t['id']}']")
+
+        # The admin sees the tenant's usage with the same numbers as the tenant.
+        bar = "svg[data-chart=requests-per-day] rect[data-series=requests]"
+        page.wait_for_selector(f"[data-tenant-detail] {bar}[data-value='{REQUESTS + 1}']", state="attached")
+
+        # Revoke the spare key: two clicks (arm, confirm), then the row shows it revoked.
+        row = f"tr[data-key-id='{spare['id']}']"
+        page.click(f"{row} [data-action=revoke]")
+        page.click(f"{row} [data-action=revoke][data-armed]")
+        page.wait_for_selector(f"{row}[data-revoked=true]")
+        page.screenshot(path=str(artifacts / "console-admin-tenant.png"), full_page=True)
+
+        deadline = time.monotonic() + 5  # revocation reaches the auth cache within its 1 s TTL
+        while (refused := chat(server, spare["key"])).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert refused.status_code == 401, refused.text
+        assert "revoked" in refused.json()["error"]["message"]
+        assert chat(server, main["key"]).status_code == 200  # only that key
+
+        # Issue a key in the UI: its secret is shown once and works against the API.
+        page.fill("form[data-form=issue-key] input[name=key-name]", "from-console")
+        page.click("form[data-form=issue-key] button[type=submit]")
+        secret = page.text_content("[data-notice=new-key] code", timeout=10_000)
+        assert secret and chat(server, secret).status_code == 200
+
+        page.click("[data-tab=nodes]")
+        nodes = httpx.get(f"{server.base_url}/admin/nodes", headers=ADMIN)
+        if nodes.status_code == 200:
+            report = nodes.json()
+            page.wait_for_selector("[data-view=nodes]")
+            for node in report["nodes"]:
+                status = page.get_attribute(f"tr[data-node-id='{node['id']}']", "data-status")
+                assert status == node["status"]
+        else:
+            page.wait_for_selector("[data-state=nodes-unavailable]")
+        page.screenshot(path=str(artifacts / "console-admin-nodes.png"), full_page=True)
+
+        page.click("[data-tab=models]")
+        models = httpx.get(f"{server.base_url}/admin/models", headers=ADMIN).json()["data"]
+        for m in models:
+            page.wait_for_selector(f"tr[data-model='{m['id']}']")
+        page.screenshot(path=str(artifacts / "console-admin-models.png"), full_page=True)
+
+        keys = (ADMIN_KEY, main["key"], spare["key"], secret)
+        assert not [line for line in seen if any(k in line for k in keys) or line.startswith("pageerror")]
+    finally:
+        context.close()

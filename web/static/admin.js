@@ -1,0 +1,208 @@
+// The admin's view: tenants (keys issued and revoked, usage), nodes and their health, models.
+
+import { barChart, COLORS, meter } from "./charts.js";
+import { fmtInt, fmtMs, fmtTime, h, replace } from "./dom.js";
+import { api } from "./api.js";
+import { rangePicker, usagePanel } from "./usage.js";
+
+const TIERS = ["premium", "standard", "batch"];
+const limit = (v) => (v === null ? "∞" : fmtInt(v));
+const NODE_REFRESH_MS = 5000;
+
+export async function adminView(root, fail) {
+  const panel = h("div", { class: "panel" });
+  let timer = null;
+  const tabs = { tenants: tenantsTab, nodes: nodesTab, models: modelsTab };
+  const nav = h("nav", { class: "tabs" }, Object.keys(tabs).map((name) =>
+    h("button", { "data-tab": name, onclick: () => show(name) }, name[0].toUpperCase() + name.slice(1))));
+  async function show(name) {
+    clearInterval(timer);
+    for (const b of nav.children) b.classList.toggle("active", b.dataset.tab === name);
+    replace(panel, h("p", { class: "muted" }, "Loading…"));
+    try {
+      timer = await tabs[name](panel, fail);
+    } catch (e) {
+      fail(e, panel);
+    }
+  }
+  replace(root, nav, panel);
+  await show("tenants");
+}
+
+// -- tenants ------------------------------------------------------------------------------------
+
+async function tenantsTab(panel, fail) {
+  const { data: tenants } = await api("/admin/tenants");
+  const detail = h("div", { class: "detail" });
+  const name = h("input", { name: "tenant-name", placeholder: "new tenant name", required: true, maxlength: 200 });
+  const create = h("form", {
+    class: "inline", "data-form": "create-tenant",
+    onsubmit: async (e) => {
+      e.preventDefault();
+      try {
+        await api("/admin/tenants", { method: "POST", body: { name: name.value.trim() } });
+        await tenantsTab(panel, fail);
+      } catch (err) { fail(err, detail); }
+    },
+  }, name, h("button", { type: "submit" }, "Create tenant"));
+  const rows = tenants.map((t) => h("tr", {
+    class: "clickable", "data-tenant-id": t.id, "data-tenant-name": t.name,
+    onclick: (e) => {
+      for (const r of e.currentTarget.parentElement.children) r.classList.toggle("selected", r === e.currentTarget);
+      tenantDetail(detail, t, fail);
+    },
+  },
+  h("td", {}, t.name), h("td", { class: "mono" }, t.id.slice(0, 8)), h("td", {}, TIERS[t.priority] ?? t.priority),
+  h("td", { class: "num" }, limit(t.requests_per_minute)), h("td", { class: "num" }, limit(t.tokens_per_minute)),
+  h("td", { class: "num" }, limit(t.max_concurrent)), h("td", { class: "num" }, limit(t.monthly_token_budget)),
+  h("td", {}, h("span", { class: `badge ${t.status}` }, t.status))));
+  replace(panel,
+    h("div", { class: "toolbar" }, h("h2", {}, `Tenants (${tenants.length})`), create),
+    h("table", { class: "card", "data-table": "tenants" },
+      h("thead", {}, h("tr", {}, ["Name", "Id", "Tier", "Req/min", "Tokens/min", "Concurrent", "Monthly budget", "Status"].map((c) => h("th", {}, c)))),
+      h("tbody", {}, rows.length ? rows : h("tr", {}, h("td", { colspan: 8, class: "muted" }, "No tenants yet")))),
+    detail);
+  return null;
+}
+
+async function tenantDetail(detail, tenant, fail) {
+  const keys = h("div", {});
+  const usage = h("div", {}, h("p", { class: "muted" }, "Loading usage…"));
+  let days = 30;
+  const loadUsage = async () => {
+    try { replace(usage, await usagePanel(`/admin/tenants/${encodeURIComponent(tenant.id)}`, days)); } catch (e) { fail(e, usage); }
+  };
+  replace(detail, h("section", { "data-tenant-detail": tenant.id },
+    h("h2", {}, `Tenant ${tenant.name}`), h("p", { class: "muted mono" }, tenant.id), keys,
+    h("div", { class: "toolbar" }, h("h3", {}, "Usage"), rangePicker(days, (n) => { days = n; loadUsage(); })),
+    usage));
+  await Promise.all([keysPanel(keys, tenant, fail), loadUsage()]);
+}
+
+async function keysPanel(box, tenant, fail) {
+  const { data } = await api(`/admin/tenants/${encodeURIComponent(tenant.id)}/keys`);
+  const secretBox = h("div", {});
+  const keyName = h("input", { name: "key-name", placeholder: "key name, e.g. laptop", required: true, maxlength: 200 });
+  const issue = h("form", {
+    class: "inline", "data-form": "issue-key",
+    onsubmit: async (e) => {
+      e.preventDefault();
+      try {
+        const created = await api(`/admin/tenants/${encodeURIComponent(tenant.id)}/keys`, { method: "POST", body: { name: keyName.value.trim() } });
+        await keysPanel(box, tenant, fail);
+        box.prepend(secretNotice(created));
+      } catch (err) { fail(err, secretBox); }
+    },
+  }, keyName, h("button", { type: "submit" }, "Issue key"));
+  const rows = data.map((k) => h("tr", { "data-key-id": k.id, "data-key-name": k.name, "data-revoked": String(Boolean(k.revoked_at)) },
+    h("td", {}, k.name), h("td", { class: "mono" }, `${k.prefix}…`), h("td", {}, fmtTime(k.created_at)),
+    h("td", {}, fmtTime(k.last_used_at)),
+    h("td", {}, k.revoked_at ? h("span", { class: "badge revoked" }, "revoked") : h("span", { class: "badge active" }, "active")),
+    h("td", {}, k.revoked_at ? "" : revokeButton(k, () => keysPanel(box, tenant, fail), fail, secretBox))));
+  replace(box, h("div", { class: "toolbar" }, h("h3", {}, "API keys"), issue), secretBox,
+    h("table", { class: "card", "data-table": "keys" },
+      h("thead", {}, h("tr", {}, ["Name", "Prefix", "Created", "Last used", "Status", ""].map((c) => h("th", {}, c)))),
+      h("tbody", {}, rows.length ? rows : h("tr", {}, h("td", { colspan: 6, class: "muted" }, "No keys")))));
+}
+
+// Two clicks: the first arms the button for a few seconds, the second revokes.
+function revokeButton(key, done, fail, errors) {
+  let armed = null;
+  const button = h("button", {
+    class: "danger", "data-action": "revoke",
+    onclick: async () => {
+      if (!armed) {
+        button.textContent = "Confirm revoke";
+        button.dataset.armed = "true";
+        armed = setTimeout(() => { armed = null; button.textContent = "Revoke"; delete button.dataset.armed; }, 5000);
+        return;
+      }
+      clearTimeout(armed);
+      button.disabled = true;
+      try { await api(`/admin/keys/${encodeURIComponent(key.id)}`, { method: "DELETE" }); await done(); } catch (e) { fail(e, errors); }
+    },
+  }, "Revoke");
+  return button;
+}
+
+function secretNotice(created) {
+  const code = h("code", { "data-secret": created.id }, created.key);
+  return h("div", { class: "card notice", "data-notice": "new-key" },
+    h("strong", {}, `Key "${created.name}" issued. `), "Copy it now: it is shown only this once.",
+    h("div", { class: "secret" }, code,
+      h("button", { class: "secondary", onclick: () => navigator.clipboard?.writeText(created.key) }, "Copy")));
+}
+
+// -- nodes --------------------------------------------------------------------------------------
+
+async function nodesTab(panel, fail) {
+  const body = h("div", {});
+  const refresh = async () => {
+    let report;
+    try {
+      report = await api("/admin/nodes");
+    } catch (e) {
+      if (e.status === 401) return fail(e, body);
+      replace(body, h("div", { class: "card unavailable", "data-state": "nodes-unavailable" },
+        h("strong", {}, "Nodes unavailable"),
+        h("p", {}, e.status === 404 ? "This gateway has no node report (GET /admin/nodes is not served)." : `GET /admin/nodes failed: ${e.message}`),
+        h("p", { class: "muted" }, "Retrying every few seconds.")));
+      return;
+    }
+    replace(body, nodesPanel(report));
+  };
+  replace(panel, h("div", { class: "toolbar" }, h("h2", {}, "Nodes"), h("span", { class: "muted" }, "refreshes every 5 s")), body);
+  await refresh();
+  return setInterval(refresh, NODE_REFRESH_MS);
+}
+
+function nodesPanel({ nodes = [], events = [] }) {
+  const counts = {};
+  for (const n of nodes) counts[n.status] = (counts[n.status] ?? 0) + 1;
+  const ids = nodes.map((n) => String(n.id));
+  return h("div", { "data-view": "nodes" },
+    h("div", { class: "stats" }, ["healthy", "sluggish", "stalled", "dead"].map((st) =>
+      h("div", { class: `card stat ${st}`, "data-metric": `nodes_${st}`, "data-value": counts[st] ?? 0 },
+        h("div", { class: "stat-label" }, st), h("div", { class: "stat-value" }, fmtInt(counts[st] ?? 0))))),
+    h("div", { class: "charts" },
+      barChart({
+        id: "node-itl", title: "Inter-token latency per node", categories: ids, unit: " ms",
+        series: [
+          { key: "itl_p50_ms", name: "ITL p50", color: COLORS.p50, values: nodes.map((n) => n.itl_p50_ms ?? 0) },
+          { key: "itl_p99_ms", name: "ITL p99", color: COLORS.p99, values: nodes.map((n) => n.itl_p99_ms ?? 0) },
+        ],
+      }),
+      barChart({
+        id: "node-throughput", title: "Tokens per second per node", categories: ids,
+        series: [{ key: "tokens_per_s", name: "tokens/s", color: COLORS.requests, values: nodes.map((n) => n.tokens_per_s ?? 0) }],
+      })),
+    h("table", { class: "card", "data-table": "nodes" },
+      h("thead", {}, h("tr", {}, ["Node", "Status", "Running", "Waiting", "KV blocks", "Tokens/s", "ITL p50 / p99", "TTFT p50", "Since", "Reason"].map((c) => h("th", {}, c)))),
+      h("tbody", {}, nodes.length ? nodes.map((n) => h("tr", { "data-node-id": n.id, "data-status": n.status },
+        h("td", { class: "mono" }, n.id), h("td", {}, h("span", { class: `badge ${n.status}` }, n.status)),
+        h("td", { class: "num" }, fmtInt(n.running ?? 0)), h("td", { class: "num" }, fmtInt(n.waiting ?? 0)),
+        h("td", {}, meter(n.kv_blocks_used ?? 0, n.kv_blocks_total ?? 0, `${n.kv_blocks_used} of ${n.kv_blocks_total} blocks`),
+          h("span", { class: "muted small" }, ` ${fmtInt(n.kv_blocks_used ?? 0)} / ${fmtInt(n.kv_blocks_total ?? 0)}`)),
+        h("td", { class: "num" }, n.tokens_per_s === null || n.tokens_per_s === undefined ? "–" : n.tokens_per_s.toFixed(1)),
+        h("td", { class: "num" }, `${fmtMs(n.itl_p50_ms)} / ${fmtMs(n.itl_p99_ms)}`), h("td", { class: "num" }, fmtMs(n.ttft_p50_ms)),
+        h("td", {}, fmtTime(n.since)), h("td", {}, n.reason ?? ""))) : h("tr", {}, h("td", { colspan: 10, class: "muted" }, "No nodes reported")))),
+    h("h3", {}, "Events"),
+    h("table", { class: "card", "data-table": "node-events" },
+      h("thead", {}, h("tr", {}, ["Time", "Node", "Event", "Reason"].map((c) => h("th", {}, c)))),
+      h("tbody", {}, events.length ? [...events].reverse().map((e) => h("tr", {},
+        h("td", {}, fmtTime(e.time)), h("td", { class: "mono" }, e.node), h("td", {}, h("span", { class: `badge ${e.kind}` }, e.kind)), h("td", {}, e.reason ?? "")))
+        : h("tr", {}, h("td", { colspan: 4, class: "muted" }, "No events")))));
+}
+
+// -- models -------------------------------------------------------------------------------------
+
+async function modelsTab(panel) {
+  const { data } = await api("/admin/models");
+  replace(panel, h("div", { class: "toolbar" }, h("h2", {}, `Models (${data.length})`)),
+    h("table", { class: "card", "data-table": "models" },
+      h("thead", {}, h("tr", {}, ["Model", "Owned by", "Context (tokens)", "Created"].map((c) => h("th", {}, c)))),
+      h("tbody", {}, data.map((m) => h("tr", { "data-model": m.id },
+        h("td", { class: "mono" }, m.id), h("td", {}, m.owned_by), h("td", { class: "num" }, fmtInt(m.max_model_len)),
+        h("td", {}, fmtTime(new Date(m.created * 1000).toISOString())))))));
+  return null;
+}
