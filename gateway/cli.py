@@ -111,7 +111,45 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     p.add_argument(
         "--synthetic-ttft-ms", type=float, default=50.0, help="synthetic driver: time to first token"
     )
+    _add_node_arguments(p)
     p.set_defaults(func=_serve)
+
+
+def _add_node_arguments(p: argparse.ArgumentParser) -> None:
+    from observability.node_health import NodeHealthConfig
+
+    d = NodeHealthConfig()
+    g = p.add_argument_group("engine nodes (native driver; see docs/observability.md)")
+    g.add_argument("--engines", type=int, default=1, help="engine processes (nodes node-0..N-1)")
+    g.add_argument(
+        "--fault-step-delay", action="append", default=[], metavar="NODE=SECONDS",
+        help="chaos testing: extra sleep after every engine step of NODE (repeatable)",
+    )
+    g.add_argument("--node-window", type=float, default=d.window_s, help="health window, seconds")
+    g.add_argument("--node-min-samples", type=int, default=d.min_samples, help="ITL samples to judge a node")
+    g.add_argument("--node-min-ratio", type=float, default=d.min_ratio,
+                   help="latency vs peers at comparable load that counts as slow")
+    g.add_argument("--node-flag-after", type=int, default=d.flag_after, help="slow evaluations (1/s) to flag")
+    g.add_argument("--node-unflag-after", type=int, default=d.unflag_after,
+                   help="recovered evaluations (1/s) to unflag")
+    g.add_argument("--node-stall-after", type=float, default=d.stall_after_s,
+                   help="seconds without a token, with work in flight, before a node is stalled")
+
+
+def _node_options(args: argparse.Namespace) -> dict[str, Any]:
+    from observability.node_health import NodeHealthConfig
+
+    delays = {}
+    for item in args.fault_step_delay:
+        node, sep, seconds = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--fault-step-delay wants NODE=SECONDS, not {item!r}")
+        delays[node.strip()] = float(seconds)
+    health = NodeHealthConfig(
+        window_s=args.node_window, min_samples=args.node_min_samples, min_ratio=args.node_min_ratio,
+        flag_after=args.node_flag_after, unflag_after=args.node_unflag_after, stall_after_s=args.node_stall_after,
+    )
+    return {"num_engines": args.engines, "fault_step_delay": delays, "node_health": health}
 
 
 def _driver_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,6 +172,7 @@ def _driver_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory_bytes": args.kv_cache_memory,
         "served_model_name": args.served_model_name,
         "num_threads": args.num_threads,
+        **_node_options(args),
         "max_waiting": args.max_waiting,
         "max_waiting_tokens": args.max_waiting_tokens,
         "long_prefill_token_threshold": args.long_prefill_token_threshold,
@@ -165,7 +204,7 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
             "auth": args.auth,
         }
     )
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, log_prompts=settings.log_prompts)
     driver = create_driver(settings.driver, **_driver_options(args))
     app = create_app(settings, driver)
     base = f"http://{settings.host}:{settings.port}"

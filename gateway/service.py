@@ -299,6 +299,9 @@ class CompletionService:
                 "duration_s": round(elapsed, 4),
                 "tenant": ticket.caller.tenant_id if ticket else None,
                 **extra,
+                # Dropped by the log formatter unless SLUICE_LOG_PROMPTS=1; built only then.
+                **({"prompt": [r.prompt or r.messages or r.prompt_token_ids for r in dispatch.requests]}
+                   if self.settings.log_prompts else {}),
             },
         )
         if ticket is not None and self.gate is not None:
