@@ -195,3 +195,93 @@ def test_admin_manages_keys_and_sees_nodes_and_models(
         assert not [line for line in seen if any(k in line for k in keys) or line.startswith("pageerror")]
     finally:
         context.close()
+
+
+NODES = {
+    "nodes": [
+        {
+            "id": "node-0",
+            "status": "healthy",
+            "running": 4,
+            "waiting": 0,
+            "kv_blocks_used": 120,
+            "kv_blocks_total": 512,
+            "tokens_per_s": 210.5,
+            "itl_p50_ms": 21.0,
+            "itl_p99_ms": 35.2,
+            "ttft_p50_ms": 80.0,
+            "reason": None,
+            "since": None,
+        },
+        {
+            "id": "node-1",
+            "status": "sluggish",
+            "running": 4,
+            "waiting": 2,
+            "kv_blocks_used": 480,
+            "kv_blocks_total": 512,
+            "tokens_per_s": 61.0,
+            "itl_p50_ms": 74.9,
+            "itl_p99_ms": 140.0,
+            "ttft_p50_ms": 260.0,
+            "reason": "ITL 3.4x peers at batch 4",
+            "since": 1_790_000_000.0,
+        },
+        {
+            "id": "node-2",
+            "status": "stalled",
+            "running": 3,
+            "waiting": 5,
+            "kv_blocks_used": 300,
+            "kv_blocks_total": 512,
+            "tokens_per_s": 0.0,
+            "itl_p50_ms": None,
+            "itl_p99_ms": None,
+            "ttft_p50_ms": None,
+            "reason": "no token for 12 s with 3 running",
+            "since": 1_790_000_100.0,
+        },
+    ],
+    "events": [
+        {"time": 1_790_000_000.0, "node": "node-1", "kind": "flagged", "reason": "ITL 3.4x peers at batch 4"},
+        {"time": 1_790_000_100.0, "node": "node-2", "kind": "stalled", "reason": "no token for 12 s"},
+    ],
+}
+
+
+def test_nodes_show_their_status_and_an_outage_shows_as_unavailable(
+    browser: Any, server: Server, artifacts: Path
+) -> None:
+    """The console's reading of every node status, with /admin/nodes answered by the test (a synthetic
+    server has one node, always healthy); then the endpoint failing."""
+    context, page, _ = open_console(browser, server)
+    failing = {"on": False}
+
+    def nodes(route: Any) -> None:
+        if failing["on"]:
+            route.fulfill(status=503, json={"error": {"message": "driver unavailable"}})
+        else:
+            route.fulfill(status=200, json=NODES)
+
+    try:
+        page.route("**/admin/nodes", nodes)
+        sign_in(page, ADMIN_KEY)
+        page.click("[data-tab=nodes]")
+        page.wait_for_selector("[data-view=nodes]")
+        for node in NODES["nodes"]:
+            assert page.get_attribute(f"tr[data-node-id='{node['id']}']", "data-status") == node["status"]
+        assert value(page, "[data-metric=nodes_sluggish]") == 1
+        assert value(page, "[data-metric=nodes_stalled]") == 1
+        assert (
+            value(page, "svg[data-chart=node-itl] rect[data-category=node-1][data-series=itl_p50_ms]") == 74.9
+        )
+        assert "ITL 3.4x peers" in page.text_content("tr[data-node-id=node-1]")
+        assert page.locator("[data-table=node-events] tbody tr").count() == 2
+        page.screenshot(path=str(artifacts / "console-admin-nodes-sluggish.png"), full_page=True)
+
+        failing["on"] = True  # the next 5 s refresh finds the endpoint down
+        page.wait_for_selector("[data-state=nodes-unavailable]", timeout=15_000)
+        assert "driver unavailable" in page.text_content("[data-state=nodes-unavailable]")
+        assert page.locator("[data-tab=tenants]").is_visible()  # the rest of the console still works
+    finally:
+        context.close()
