@@ -92,8 +92,6 @@ class SyntheticDriver(Driver):
         self._tokens_generated = 0
         self._waiting_tokens = 0
         self._waiting_work: dict[int, int] = {}  # priority -> prompt + budget of the waiting requests
-        self._rate_sample = (time.monotonic(), 0)  # (when, tokens generated then): throughput window
-        self._rate = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -124,19 +122,10 @@ class SyntheticDriver(Driver):
         )
 
     def _generation_rate(self) -> float:
-        """Tokens/s over the last >= 1 s window (so frequent polls do not make it noisy)."""
-        now = time.monotonic()
-        then, count = self._rate_sample
-        if now - then >= 1.0:
-            self._rate = (self._tokens_generated - count) / (now - then)
-            self._rate_sample = (now, self._tokens_generated)
-        return self._rate
-
-    def nodes(self) -> NodesReport:
-        # One pseudo-node: it never slows down, but the admin API and console have something to show.
-        node = NodeInfo(id="synthetic", status="healthy" if self._started else "dead",
-                        running=self._running, waiting=self._waiting)
-        return NodesReport([node], [])
+        """Tokens/s being generated now: every running request decodes at the configured pace."""
+        if self.token_interval_s <= 0:
+            return 0.0  # unthrottled: no meaningful rate
+        return self._running / self.token_interval_s
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return len(self._prompt_ids(request))

@@ -6,8 +6,9 @@ engine's queue and compares that with the TTFT target of its priority tier:
     work_ahead(p) = tokens still to compute (prompt left + max_tokens left) of the requests queued
                     with priority <= p: the larger of the engine's figure
                     (`DriverHealth.waiting_work_by_priority`, up to ~0.1 s old) and this gateway's own
-                    count of requests it sent that have no first token yet (exact, never stale)
-    wait(p)       = work_ahead(p) / (prompt + generation tokens per second, recently)
+                    count of requests it sent and that are past the running cap (exact, never stale)
+    wait(p)       = work_ahead(p) / (prompt + generation tokens per second, recently, measured
+                                     while the engine was saturated; otherwise no estimate)
 
 The queue is strict priority, so only work of priority <= p is ahead of a request of
 priority p. Under overload the work piles up behind the lowest tier: wait(2) grows with
@@ -59,62 +60,77 @@ class Estimate:
 
 
 class Pending:
-    """A request this gateway sent that has no first token yet; `started()` it exactly once."""
+    """A request this gateway sent: queued until `started()` (first token), in flight until `finished()`."""
 
-    __slots__ = ("done", "priority", "prompt_tokens", "work")
+    __slots__ = ("finished", "priority", "prompt_tokens", "started", "work")
 
     def __init__(self, priority: int, work: int, prompt_tokens: int) -> None:
         self.priority = priority
         self.work = work  # prompt + max_tokens
         self.prompt_tokens = prompt_tokens
-        self.done = False
+        self.started = False
+        self.finished = False
 
 
 class LoadShedder:
-    """Decides admit or refuse from the driver's health and the requests this gateway has queued."""
+    """Decides admit or refuse from the driver's health and the requests this gateway has in flight."""
 
     def __init__(self, policy: SheddingPolicy) -> None:
         self.policy = policy
-        # priority -> [requests, work tokens, prompt tokens] sent and not started; a few ints per tier.
-        self._queued: dict[int, list[int]] = {}
+        # priority -> [requests, work tokens, prompt tokens] sent and without a first token yet.
+        self._unstarted: dict[int, list[int]] = {}
+        self.in_flight = 0  # sent and not finished
         self.shed_total: dict[int, int] = {}  # priority -> requests refused, since start
 
     def estimate(self, health: DriverHealth, priority: int) -> Estimate:
-        local_work = sum(q[1] for p, q in self._queued.items() if p <= priority)
+        unstarted = sum(q[0] for q in self._unstarted.values())
+        # In flight beyond the running cap are queued (this gateway's view, never stale); the queued ones
+        # are among those without a first token, so that share of their work and tokens is queued.
+        cap = health.max_num_seqs or health.running
+        queued_here = min(unstarted, max(0, self.in_flight - cap))
+        share = queued_here / unstarted if unstarted else 0.0
+        local_work = share * sum(q[1] for p, q in self._unstarted.items() if p <= priority)
         engine_work = sum(w for p, w in health.waiting_work_by_priority.items() if p <= priority)
         work = max(local_work, engine_work)
-        local_count = sum(q[0] for q in self._queued.values())
-        local_tokens = sum(q[2] for q in self._queued.values())
-        # Of the requests sent and not started, those that fit free running slots are not queued.
-        free_slots = max(0, health.max_num_seqs - health.running) if health.max_num_seqs else 0
-        waiting = max(health.waiting, local_count - free_slots)
-        waiting_tokens = max(health.waiting_tokens, local_tokens if local_count > free_slots else 0)
-        rate = health.prompt_tokens_per_s + health.generation_tokens_per_s
+        waiting = max(health.waiting, queued_here)
+        waiting_tokens = max(health.waiting_tokens, round(share * sum(q[2] for q in self._unstarted.values())))
+        # Throughput measures capacity only while the engine is saturated; a lightly loaded engine's says
+        # how much was asked of it, and would make every wait look long.
+        saturated = health.waiting > 0 or 0 < health.max_num_seqs <= health.running
+        rate = health.prompt_tokens_per_s + health.generation_tokens_per_s if saturated else 0.0
         wait = work / rate if rate > 0 else (0.0 if work == 0 else None)
         return Estimate(wait, waiting, waiting_tokens)
 
     def admit(self, health: DriverHealth, priority: int, prompt_tokens: int, max_tokens: int) -> Pending:
-        """Count the request as queued, or raise OverloadedError (503 + Retry-After)."""
+        """Count the request as sent, or raise OverloadedError (503 + Retry-After)."""
         if self.policy.enabled:
             self._check(health, priority, prompt_tokens)
         pending = Pending(priority, prompt_tokens + max_tokens, prompt_tokens)
-        q = self._queued.setdefault(priority, [0, 0, 0])
+        q = self._unstarted.setdefault(priority, [0, 0, 0])
         q[0] += 1
         q[1] += pending.work
         q[2] += prompt_tokens
+        self.in_flight += 1
         return pending
 
     def started(self, pending: Pending) -> None:
-        """The request's first token came (or it failed): it no longer waits. Idempotent."""
-        if pending.done:
+        """The request's first token came: it no longer waits. Idempotent."""
+        if pending.started:
             return
-        pending.done = True
-        q = self._queued[pending.priority]
+        pending.started = True
+        q = self._unstarted[pending.priority]
         q[0] -= 1
         q[1] -= pending.work
         q[2] -= pending.prompt_tokens
         if q[0] == 0:
-            del self._queued[pending.priority]
+            del self._unstarted[pending.priority]
+
+    def finished(self, pending: Pending) -> None:
+        """The request ended, however it ended. Idempotent."""
+        self.started(pending)
+        if not pending.finished:
+            pending.finished = True
+            self.in_flight -= 1
 
     def _check(self, health: DriverHealth, priority: int, prompt_tokens: int) -> None:
         est = self.estimate(health, priority)

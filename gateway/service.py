@@ -67,7 +67,7 @@ class CompletionService:
         self.shedder = LoadShedder(
             SheddingPolicy(settings.ttft_targets_s, settings.queue_share, settings.load_shedding)
         )
-        self._pending: dict[str, Pending] = {}  # admitted by the shedder, first token not yet seen
+        self._pending: dict[str, Pending] = {}  # admitted by the shedder and not finished
 
     async def chat(self, body: ChatCompletionRequest, rid: str, caller: TenantContext | None = None) -> Reply:
         cap = self.settings.max_default_tokens
@@ -126,7 +126,7 @@ class CompletionService:
 
     async def _shed_or_admit(self, dispatch: Dispatch, caller: TenantContext | None) -> Ticket | None:
         """Refuse now (OverloadedError: 503 + Retry-After) what would miss its tier's TTFT target; then
-        the tenant's limits. The request counts as queued in the shedder until its first token (`_open`)."""
+        the tenant's limits. The shedder counts the request until it finishes (`_finished`)."""
         first = dispatch.requests[0]
         max_tokens = sum(r.max_tokens or 0 for r in dispatch.requests)
         health = await self.driver.health()
@@ -141,7 +141,7 @@ class CompletionService:
         try:
             ticket = await self._admit(dispatch, caller)
         except BaseException:
-            self.shedder.started(pending)
+            self.shedder.finished(pending)
             raise
         self._pending[dispatch.request_id] = pending
         return ticket
@@ -171,13 +171,15 @@ class CompletionService:
         except BaseException as exc:
             self.metrics.in_flight.dec()
             self._end_timeline(dispatch.request_id, type(exc).__name__)
+            pending = self._pending.pop(dispatch.request_id, None)
+            if pending is not None:
+                self.shedder.finished(pending)
             if ticket is not None and self.gate is not None:
                 await _settle(self.gate.finish(ticket, dispatch.prompt_tokens, 0, None, type(exc).__name__))
             raise
-        finally:
-            pending = self._pending.pop(dispatch.request_id, None)
-            if pending is not None:
-                self.shedder.started(pending)
+        pending = self._pending.get(dispatch.request_id)
+        if pending is not None:
+            self.shedder.started(pending)
         ttft = loop.time() - started
         self.metrics.ttft.labels(model=dispatch.model).observe(ttft)
         return fanout, started, ttft
@@ -281,6 +283,9 @@ class CompletionService:
         outcome: str,
     ) -> None:
         self.metrics.in_flight.dec()
+        pending = self._pending.pop(dispatch.request_id, None)
+        if pending is not None:
+            self.shedder.finished(pending)
         total = sum(completion)
         self.metrics.prompt_tokens.labels(model=dispatch.model).inc(dispatch.prompt_tokens)
         self.metrics.completion_tokens.labels(model=dispatch.model).inc(total)

@@ -78,9 +78,9 @@ def test_retry_after_is_the_time_until_the_wait_meets_the_target() -> None:
 
 def test_queue_share_keeps_headroom_for_higher_tiers_before_any_throughput_is_measured() -> None:
     shedder = LoadShedder(SheddingPolicy(queue_share=(1.0, 0.9, 0.75)))
-    # A burst at an engine whose running slots are full and whose figures have not caught up yet.
-    h = health(running=8, waiting=0, prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0)
-    for _ in range(75):
+    # A burst at an idle engine whose figures have not caught up yet: 8 run, then the queue fills.
+    h = health(running=0, waiting=0, prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0)
+    for _ in range(8 + 75):
         assert outcome(shedder, h, 2) == "admitted"
     assert shedder.estimate(h, 2).wait_s is None  # nothing measured: only the shares decide
     assert outcome(shedder, h, 2) == "shed"
@@ -99,23 +99,37 @@ def test_token_bound_share() -> None:
     assert outcome(shedder, h, 0, prompt=200) == "admitted"
 
 
-def test_requests_sent_and_not_started_count_until_their_first_token() -> None:
+def test_requests_sent_count_until_the_engine_reports_them() -> None:
     """The engine's figures lag a burst; the gateway's own count of what it sent does not."""
     shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(2.0, 10.0, 30.0)))
-    h = health(running=0, max_num_seqs=4, waiting=0, waiting_work_by_priority={})
+    # Saturated (4 running of 4, by figures a moment old), nothing queued in them yet.
+    h = health(running=4, max_num_seqs=4, waiting=0, waiting_work_by_priority={})
     sent = [shedder.admit(h, 0, 100, 100) for _ in range(4)]  # they take the free running slots
     assert shedder.estimate(h, 0).waiting == 0
     sent.append(shedder.admit(h, 1, 100, 100))
-    est = shedder.estimate(h, 1)
-    assert est.waiting == 1 and est.waiting_tokens == 500 and est.wait_s == pytest.approx(1.0)
-    assert shedder.estimate(h, 0).wait_s == pytest.approx(0.8)  # tier 1's work is not ahead of tier 0
+    est = shedder.estimate(h, 1)  # 1 of the 5 is queued: a fifth of their work and tokens
+    assert est.waiting == 1 and est.waiting_tokens == 100 and est.wait_s == pytest.approx(0.2)
+    assert shedder.estimate(h, 0).wait_s == pytest.approx(0.16)  # tier 1's work is not ahead of tier 0
     # Fresher engine figures that already show more work win over the local count.
     busy = health(running=4, max_num_seqs=4, waiting=20, waiting_work_by_priority={0: 5_000})
     assert shedder.estimate(busy, 0).wait_s == pytest.approx(5.0)
-    for pending in sent + sent:  # started() twice is harmless
-        shedder.started(pending)
-    assert shedder._queued == {}
+    for pending in sent[:4]:
+        shedder.started(pending)  # first tokens: no longer queued, still in flight
+    est = shedder.estimate(h, 1)
+    assert est.waiting == 1 and est.wait_s == pytest.approx(0.2)  # the fifth is all that waits
+    for pending in sent + sent:  # finished() twice is harmless
+        shedder.finished(pending)
+    assert shedder._unstarted == {} and shedder.in_flight == 0
     assert shedder.estimate(h, 2).wait_s == 0.0
+    idle = health(running=0, waiting=0)
+    shedder.admit(idle, 2, 100, 100)
+    assert shedder.estimate(idle, 2).wait_s == 0.0  # it fits a free slot: nothing is queued
+
+
+def test_throughput_of_an_unsaturated_engine_is_not_used() -> None:
+    shedder = LoadShedder(SheddingPolicy())
+    h = health(running=2, waiting=0, waiting_work_by_priority={2: 50_000})
+    assert shedder.estimate(h, 2).wait_s is None
 
 
 def test_disabled_policy_admits_everything() -> None:
