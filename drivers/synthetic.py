@@ -127,6 +127,12 @@ class SyntheticDriver(Driver):
             return 0.0  # unthrottled: no meaningful rate
         return self._running / self.token_interval_s
 
+    def nodes(self) -> NodesReport:
+        # One pseudo-node: it never slows down, but the admin API and console have something to show.
+        node = NodeInfo(id="synthetic", status="healthy" if self._started else "dead",
+                        running=self._running, waiting=self._waiting)
+        return NodesReport([node], [])
+
     def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return len(self._prompt_ids(request))
 
