@@ -240,3 +240,34 @@ def test_openapi_documents_admin_and_usage(client: TestClient[Any]) -> None:
     assert "get" in paths["/v1/usage"]
     assert {"ApiKey", "AdminKey"} <= set(schema["components"]["securitySchemes"])
     assert "TenantCreate" in str(schema["components"]["schemas"])
+
+
+def test_latency_percentiles_count_only_a_tenants_completed_requests(client: TestClient[Any]) -> None:
+    a, a_headers = make_tenant(client, requests_per_minute=3)
+    _, b_headers = make_tenant(client)
+    for _ in range(4):  # three complete, the fourth is refused (429) and must not count
+        client.post("/v1/chat/completions", json=CHAT, headers=a_headers)
+    deadline = time.monotonic() + 5
+    while sum(b["requests"] for b in client.get("/v1/usage", headers=a_headers).json()["data"]) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    latency = client.get("/v1/usage/latency?group_by=model", headers=a_headers).json()
+    assert latency["tenant_id"] == a and latency["overall"]["requests"] == 3
+    assert [b["group"] for b in latency["data"]] == ["synthetic"] and not latency["truncated"]
+    p = latency["overall"]["latency_ms"]
+    assert 0 <= p["p50"] <= p["p90"] <= p["p99"]
+    assert latency["overall"]["ttft_ms"]["p50"] <= p["p99"]
+    admin_view = client.get(f"/admin/tenants/{a}/latency?group_by=model", headers=ADMIN_HEADERS).json()
+    assert (admin_view["data"], admin_view["overall"]) == (latency["data"], latency["overall"])
+    assert client.get("/v1/usage/latency", headers=b_headers).json()["overall"] == {
+        "group": "all",
+        "requests": 0,
+        "ttft_ms": None,
+        "latency_ms": None,
+    }
+    assert_error(client.get(f"/admin/tenants/{a}/latency", headers=b_headers), 403, "permission_error")
+    assert_error(client.get("/v1/usage/latency"), 401, "authentication_error")
+    models = client.get("/admin/models", headers=ADMIN_HEADERS).json()["data"]
+    assert [m["id"] for m in models] == [
+        m["id"] for m in client.get("/v1/models", headers=a_headers).json()["data"]
+    ]

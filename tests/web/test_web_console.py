@@ -126,6 +126,37 @@ def test_tenant_sees_its_usage_and_latency_as_charts(
         context.close()
 
 
+def test_console_is_served_self_contained(server: Server) -> None:
+    """No CDN, no external request: every URL in the console's files is this origin's (the SVG
+    namespace is a name, not a fetch), and the CSP forbids anything else."""
+    page = httpx.get(f"{server.base_url}/console/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "script-src 'self'" in csp and "connect-src 'self'" in csp
+    static = Path(__file__).parents[2] / "web" / "static"
+    for file in static.iterdir():
+        text = file.read_text().replace("http://www.w3.org/2000/svg", "")
+        assert "http://" not in text and "https://" not in text and "//cdn" not in text, file.name
+        assert httpx.get(f"{server.base_url}/console/{file.name}").status_code == 200
+
+
+def test_a_tenant_whose_key_is_revoked_is_signed_out(
+    browser: Any, server: Server, tenant: dict[str, Any]
+) -> None:
+    key = admin_post(server, f"/admin/tenants/{tenant['tenant']['id']}/keys", {"name": "short-lived"})
+    context, page, _ = open_console(browser, server)
+    try:
+        sign_in(page, key["key"])
+        page.wait_for_selector("svg[data-chart=requests-per-day]")
+        assert httpx.delete(f"{server.base_url}/admin/keys/{key['id']}", headers=ADMIN).status_code == 200
+        time.sleep(1.2)  # the auth cache TTL
+        page.click("[data-action=refresh]")
+        page.wait_for_selector("[data-state=sign-in-error]:has-text('revoked')")
+        assert page.evaluate("sessionStorage.length") == 0
+    finally:
+        context.close()
+
+
 def test_a_wrong_key_is_refused_at_sign_in(browser: Any, server: Server) -> None:
     context, page, _ = open_console(browser, server)
     try:
