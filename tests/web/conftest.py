@@ -57,7 +57,9 @@ def chromium_path() -> str:
     return path
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: Playwright's sync API keeps an event loop running on this thread while
+# it is open, and tests after this module call asyncio.run().
+@pytest.fixture(scope="module")
 def browser(chromium_path: str) -> Iterator[object]:
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extras")
     with sync_api.sync_playwright() as p:
