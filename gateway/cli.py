@@ -1,5 +1,6 @@
 """The `sluice` command: `sluice serve` runs the gateway, `sluice bench serve` load-tests any
-OpenAI-compatible server. Defaults come from the environment via `Settings`, read here once."""
+OpenAI-compatible server, `sluice bench engine` / `sluice bench gateway` measure our engine against
+Hugging Face and the gateway's overhead. Defaults come from the environment via `Settings`, read here once."""
 
 from __future__ import annotations
 
@@ -243,12 +244,30 @@ def build_parser(env: Settings) -> argparse.ArgumentParser:
     from gateway.bench_serve import add_arguments as add_bench_serve
 
     add_bench_serve(bench_sub)
+    # Its options live beside the engine (engine_native.bench); main() hands them through unparsed.
+    engine = bench_sub.add_parser("engine", add_help=False, help="our engine vs Hugging Face generate (see --help)")
+    engine.set_defaults(func=_bench_engine, engine_args=[])
+    from gateway.bench_gateway import add_arguments as add_bench_gateway
+
+    add_bench_gateway(bench_sub)
     return parser
+
+
+def _bench_engine(args: argparse.Namespace, _env: Settings) -> int:
+    # Lazy: torch and the engine load only for this command.
+    from engine_native.bench import main as bench_engine_main
+
+    return bench_engine_main(args.engine_args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     env = Settings.from_env()
-    args = build_parser(env).parse_args(argv)
+    parser = build_parser(env)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.func is not _bench_engine:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.func is _bench_engine:
+        args.engine_args = extra
     result: int = args.func(args, env)
     return result
 
