@@ -244,6 +244,11 @@ def build_parser(env: Settings) -> argparse.ArgumentParser:
     from gateway.bench_serve import add_arguments as add_bench_serve
 
     add_bench_serve(bench_sub)
+    from gateway.bench_pressure import add_arguments as add_bench_pressure
+    from gateway.bench_sweep import add_arguments as add_bench_sweep
+
+    add_bench_pressure(bench_sub)  # priority, prefix, spike
+    add_bench_sweep(bench_sub)
     # Its options live beside the engine (engine_native.bench); main() hands them through unparsed.
     engine = bench_sub.add_parser("engine", add_help=False, help="our engine vs Hugging Face generate (see --help)")
     engine.set_defaults(func=_bench_engine, engine_args=[])

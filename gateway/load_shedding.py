@@ -93,7 +93,9 @@ class LoadShedder:
         engine_work = sum(w for p, w in health.waiting_work_by_priority.items() if p <= priority)
         work = max(local_work, engine_work)
         waiting = max(health.waiting, queued_here)
-        waiting_tokens = max(health.waiting_tokens, round(share * sum(q[2] for q in self._unstarted.values())))
+        waiting_tokens = max(
+            health.waiting_tokens, round(share * sum(q[2] for q in self._unstarted.values()))
+        )
         # Throughput measures capacity only while the engine is saturated; a lightly loaded engine's says
         # how much was asked of it, and would make every wait look long.
         saturated = health.waiting > 0 or 0 < health.max_num_seqs <= health.running

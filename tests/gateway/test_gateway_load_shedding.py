@@ -28,7 +28,9 @@ def health(**kw: object) -> DriverHealth:
     return DriverHealth(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def outcome(shedder: LoadShedder, h: DriverHealth, priority: int, prompt: int = 10, max_tokens: int = 10) -> str:
+def outcome(
+    shedder: LoadShedder, h: DriverHealth, priority: int, prompt: int = 10, max_tokens: int = 10
+) -> str:
     try:
         shedder.admit(h, priority, prompt, max_tokens)
     except OverloadedError as exc:

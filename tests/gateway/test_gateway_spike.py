@@ -20,8 +20,19 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def native() -> Iterator[Server]:
     yield from start_server(
-        "--driver", "native", "--max-model-len", "256", "--max-num-seqs", "32", "--max-waiting", "64",
-        "--kv-cache-memory", "64MiB", "--num-threads", "2", startup_timeout_s=240,
+        "--driver",
+        "native",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "32",
+        "--max-waiting",
+        "64",
+        "--kv-cache-memory",
+        "64MiB",
+        "--num-threads",
+        "2",
+        startup_timeout_s=240,
     )
 
 
