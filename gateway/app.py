@@ -41,17 +41,6 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
     )
     if settings.telemetry:
         service.observability = observability
-    # Request metrics always; traces and OTLP metrics only with an OTLP endpoint.
-    observability = Observability(
-        ObservabilityConfig(
-            otlp_endpoint=settings.otlp_endpoint,
-            service_name=settings.service_name,
-            tenant_label_cap=settings.metrics_tenant_cap,
-        ),
-        metrics.registry,
-        driver.nodes,
-    )
-    service.observability = observability
     state = State({"settings": settings, "tenancy": None})
 
     @asynccontextmanager

@@ -75,16 +75,6 @@ class Settings:
     HTTP counters and per-node gauges stay."""
     log_prompts: bool = False
     """Debug only: log request prompts (SLUICE_LOG_PROMPTS=1). Keys are never logged."""
-    otlp_endpoint: str | None = None
-    """OTLP/HTTP collector base URL for traces and metrics (OTEL_EXPORTER_OTLP_ENDPOINT, e.g.
-    http://127.0.0.1:4318); None: nothing is exported and no span is ever built."""
-    service_name: str = "sluice"
-    """OpenTelemetry service.name of this gateway (OTEL_SERVICE_NAME)."""
-    metrics_tenant_cap: int = 100
-    """Tenants that get their own label value on per-tenant counters; later ones are "other"
-    (SLUICE_METRICS_TENANT_CAP)."""
-    log_prompts: bool = False
-    """Debug only: log request prompts (SLUICE_LOG_PROMPTS=1). Keys are never logged."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -120,10 +110,6 @@ class Settings:
             service_name=e.get("OTEL_SERVICE_NAME") or d.service_name,
             metrics_tenant_cap=int(e.get("SLUICE_METRICS_TENANT_CAP", d.metrics_tenant_cap)),
             telemetry=e.get("SLUICE_TELEMETRY", "1").lower() not in ("0", "false", "off", "no"),
-            log_prompts=e.get("SLUICE_LOG_PROMPTS", "0").lower() in ("1", "true", "on", "yes"),
-            otlp_endpoint=e.get("OTEL_EXPORTER_OTLP_ENDPOINT") or d.otlp_endpoint,
-            service_name=e.get("OTEL_SERVICE_NAME") or d.service_name,
-            metrics_tenant_cap=int(e.get("SLUICE_METRICS_TENANT_CAP", d.metrics_tenant_cap)),
             log_prompts=e.get("SLUICE_LOG_PROMPTS", "0").lower() in ("1", "true", "on", "yes"),
         )
 
