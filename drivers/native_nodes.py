@@ -28,7 +28,7 @@ _RANK = {NodeStatus.HEALTHY: 0, NodeStatus.SLUGGISH: 1, NodeStatus.STALLED: 2, N
 class RequestTimer:
     """Turns one request's outputs into TTFT / ITL samples of its node."""
 
-    __slots__ = ("_supervisor", "_engine", "_arrival", "_prompt_tokens", "_last")
+    __slots__ = ("_arrival", "_engine", "_last", "_prompt_tokens", "_supervisor")
 
     def __init__(
         self, supervisor: NodeSupervisor, engine: AsyncEngineClient, arrival: float, prompt_tokens: int

@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [SLUICE, "serve", "--no-auth", "--port", str(port), "--log-level", "WARNING", *engine]
             procs[mode] = stack.enter_context(_process(cmd, env))
             bases[mode] = f"http://127.0.0.1:{port}"
-        for mode in bases:
-            _wait_up(bases[mode], procs[mode])
+        for mode, base in bases.items():
+            _wait_up(base, procs[mode])
         rates: dict[str, list[float]] = {"off": [], "on": []}
         for r in range(args.rounds):
             for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):

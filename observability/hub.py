@@ -6,8 +6,8 @@ Built once per app from settings; `tracer` and `mirror` exist only with an OTLP 
 from __future__ import annotations
 
 import time
-from contextvars import ContextVar
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry

@@ -173,7 +173,6 @@ class NodeHealthMonitor:
         ttft_scores = self._ttft_scores()
         itl_slow = self._outliers(itl_scores, cfg.min_ratio)
         ttft_slow = self._outliers(ttft_scores, cfg.ttft_min_ratio)
-        self._pending: list[NodeEvent] = []
         for name, n in self._nodes.items():
             if n.status is NodeStatus.DEAD:
                 continue

@@ -24,7 +24,7 @@ def otlp_receiver() -> Iterator[Receiver]:
     receiver = Receiver()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("content-length", 0)))
             if self.path == "/v1/traces":
                 request = ExportTraceServiceRequest.FromString(body)

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import random
 
-from observability.node_health import EventKind, NodeHealthConfig, NodeHealthMonitor, NodeStatus, prompt_bucket
+from observability.node_health import (
+    EventKind,
+    NodeHealthConfig,
+    NodeHealthMonitor,
+    NodeStatus,
+    prompt_bucket,
+)
 
 NODES = ["node-0", "node-1", "node-2"]
 CFG = NodeHealthConfig(window_s=20, min_samples=20, flag_after=3, unflag_after=3, stall_after_s=5)

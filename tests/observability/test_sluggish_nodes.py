@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Self
 
 import httpx
 import pytest
@@ -46,7 +47,7 @@ class Load:
                 except httpx.HTTPError:
                     time.sleep(0.2)
 
-    def __enter__(self) -> Load:
+    def __enter__(self) -> Self:
         for t in self.threads:
             t.start()
         return self
