@@ -21,7 +21,7 @@ from gateway.routes.nodes import NODE_DEPENDENCIES, NODE_ROUTES
 from gateway.routes.openai import OPENAI_ROUTES
 from gateway.service import CompletionService
 from gateway.settings import Settings
-from gateway.tenancy import Tenancy
+from gateway.tenancy import FirstStartKeys, Tenancy
 from observability.hub import Observability, ObservabilityConfig
 from web import console_router
 
@@ -55,9 +55,9 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
     @asynccontextmanager
     async def tenancy_lifespan(_: Litestar) -> AsyncGenerator[None, None]:
         # Runs inside driver_lifespan: on shutdown, usage and refunds are flushed before the driver stops.
-        tenancy, generated_admin_key = await Tenancy.start(settings)
-        if generated_admin_key:
-            _announce_admin_key(generated_admin_key, settings)
+        tenancy, first_start = await Tenancy.start(settings)
+        if first_start is not None:
+            _announce_first_start(first_start, settings)
         state["tenancy"] = tenancy
         service.gate = tenancy.gate
         try:
@@ -98,26 +98,38 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
     )
 
 
-def _announce_admin_key(key: str, settings: Settings) -> None:
-    """Print the generated admin key once: it is stored hashed and cannot be shown again."""
+def _announce_first_start(keys: FirstStartKeys, settings: Settings) -> None:
+    """Print the keys made on the first start once: they are stored hashed and cannot be shown again."""
     base = f"http://{settings.host}:{settings.port}"
-    print(
-        "\n".join(
-            [
-                "",
-                "Generated the admin key (shown once, stored hashed; set SLUICE_ADMIN_KEY to replace it):",
-                f"  {key}",
-                "Create a tenant and an API key:",
-                (
-                    f"  curl -s {base}/admin/tenants -H 'authorization: Bearer {key}' "
-                    "-H 'content-type: application/json' -d '{\"name\": \"me\"}'"
-                ),
-                (
-                    f"  curl -s {base}/admin/tenants/<tenant id>/keys -H 'authorization: Bearer {key}' "
-                    "-H 'content-type: application/json' -d '{\"name\": \"laptop\"}'"
-                ),
-                "",
-            ]
+    admin = keys.admin_key
+    lines = [
+        "",
+        "Generated the admin key (shown once, stored hashed; set SLUICE_ADMIN_KEY to replace it):",
+        f"  {admin}",
+    ]
+    if keys.tenant_key is not None:
+        lines += [
+            "Created tenant 'default' with an API key (shown once):",
+            f"  {keys.tenant_key}",
+            "Try it:",
+            (
+                f"  curl {base}/v1/chat/completions -H 'authorization: Bearer {keys.tenant_key}' "
+                "-H 'content-type: application/json' "
+                '-d \'{"messages": [{"role": "user", "content": "What is the capital of France?"}], '
+                '"max_tokens": 32}\''
+            ),
+        ]
+    lines += [
+        "More tenants and keys:",
+        (
+            f"  curl -s {base}/admin/tenants -H 'authorization: Bearer {admin}' "
+            "-H 'content-type: application/json' -d '{\"name\": \"me\"}'"
         ),
-        flush=True,
-    )
+        (
+            f"  curl -s {base}/admin/tenants/<tenant id>/keys -H 'authorization: Bearer {admin}' "
+            "-H 'content-type: application/json' -d '{\"name\": \"laptop\"}'"
+        ),
+        f"Console: {base}/console/",
+        "",
+    ]
+    print("\n".join(lines), flush=True)

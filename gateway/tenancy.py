@@ -17,7 +17,7 @@ from gateway.settings import Settings
 from ratelimit.base import FailMode, RateLimiter
 from tenants.auth import AdminAuthenticator, KeyAuthenticator
 from tenants.db import create_engine, default_sqlite_url, run_migrations, session_factory
-from tenants.service import TenantService
+from tenants.service import TenantService, TenantSpec
 from tenants.usage import MonthlyUsage, UsageWriter
 
 log = logging.getLogger("sluice.gateway")
@@ -36,6 +36,16 @@ def create_limiter(settings: Settings) -> RateLimiter:
     )
 
 
+@dataclass(frozen=True)
+class FirstStartKeys:
+    """Secrets made on the very first start of an embedded deployment, to be shown exactly once."""
+
+    admin_key: str
+    # A "default" tenant's key, made only when the database has no tenant yet, so that the
+    # quickstart's curl works without a trip through the admin API first.
+    tenant_key: str | None
+
+
 @dataclass
 class Tenancy:
     engine: AsyncEngine
@@ -47,8 +57,8 @@ class Tenancy:
     usage: UsageWriter
 
     @classmethod
-    async def start(cls, settings: Settings) -> tuple[Tenancy, str | None]:
-        """The running tenancy and, on a first start without SLUICE_ADMIN_KEY, the generated admin key."""
+    async def start(cls, settings: Settings) -> tuple[Tenancy, FirstStartKeys | None]:
+        """The running tenancy and, on a first start without SLUICE_ADMIN_KEY, the keys it made."""
         engine = create_engine(database_url(settings))
         await run_migrations(engine)
         sessions = session_factory(engine)
@@ -57,7 +67,15 @@ class Tenancy:
         usage.start()
         gate = TenantGate(create_limiter(settings), usage, MonthlyUsage(sessions))
         keys = KeyAuthenticator(sessions, cache_ttl_s=settings.auth_cache_ttl_s)
-        return cls(engine, sessions, TenantService(sessions), keys, admin, gate, usage), generated
+        tenants = TenantService(sessions)
+        first: FirstStartKeys | None = None
+        if generated:
+            tenant_key = None
+            if not await tenants.list_tenants():
+                tenant = await tenants.create_tenant(TenantSpec(name="default"))
+                _, tenant_key = await tenants.create_key(tenant.id, "quickstart")
+            first = FirstStartKeys(generated, tenant_key)
+        return cls(engine, sessions, tenants, keys, admin, gate, usage), first
 
     async def stop(self) -> None:
         await self.gate.close()  # refunds first: they may still be running

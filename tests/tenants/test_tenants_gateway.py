@@ -271,3 +271,19 @@ def test_latency_percentiles_count_only_a_tenants_completed_requests(client: Tes
     assert [m["id"] for m in models] == [
         m["id"] for m in client.get("/v1/models", headers=a_headers).json()["data"]
     ]
+
+
+def test_first_start_prints_working_keys_once(tmp_path: Path, driver: RecordingDriver, capsys: Any) -> None:
+    settings = Settings(data_dir=str(tmp_path), admin_key=None)
+    with TestClient(create_app(settings, driver)) as c:
+        printed = capsys.readouterr().out
+        lines = [line.strip() for line in printed.splitlines()]
+        admin_key = lines[lines.index(next(x for x in lines if x.startswith("Generated the admin key"))) + 1]
+        tenant_key = lines[lines.index("Created tenant 'default' with an API key (shown once):") + 1]
+        assert f"Bearer {tenant_key}" in printed  # the curl example carries the real key
+        ok = c.post("/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {tenant_key}"})
+        assert ok.status_code == 200, ok.text
+        tenants = c.get("/admin/tenants", headers={"authorization": f"Bearer {admin_key}"})
+        assert [t["name"] for t in tenants.json()["data"]] == ["default"]
+    with TestClient(create_app(settings, driver)):
+        assert "Generated" not in capsys.readouterr().out  # shown once: the second start prints nothing
