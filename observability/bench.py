@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=64, help="requests per round")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--no-otlp", action="store_true", help="telemetry on = request metrics only, no export")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers below are stopped
     engine = (["--driver", "native", "--max-num-seqs", "32", "--kv-cache-memory", "256MiB", "--max-model-len", "512"]
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.enter_context(_process([sys.executable, "-c", _SINK, str(sink_port)]))
         procs = {}
         for mode, env in (("off", {"SLUICE_TELEMETRY": "0"}),
-                          ("on", {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}"})):
+                          ("on", {} if args.no_otlp else {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}"})):
             port = free_port()
             cmd = [SLUICE, "serve", "--no-auth", "--port", str(port), "--log-level", "WARNING", *engine]
             procs[mode] = stack.enter_context(_process(cmd, env))

@@ -165,7 +165,6 @@ class OtlpMirror:
             return meter.create_histogram(name, unit=unit, explicit_bucket_boundaries_advisory=list(buckets))
 
         self.ttft = hist("gen_ai.server.time_to_first_token", "s", LATENCY_BUCKETS)
-        self.itl = hist("sluice.inter_token_latency", "s", ITL_BUCKETS)
         self.tpot = hist("gen_ai.server.time_per_output_token", "s", ITL_BUCKETS)
         self.e2e = hist("gen_ai.server.request.duration", "s", E2E_BUCKETS)
         self.queue = hist("sluice.request.queue_time", "s", LATENCY_BUCKETS)
@@ -193,8 +192,8 @@ class OtlpMirror:
         if c.first_token is not None:
             self.ttft.record(c.first_token - t.started, attrs)
             self.e2e.record((c.last_token or ended) - t.started, attrs)
-        for gap in c.itl:
-            self.itl.record(gap, attrs)
+        # Per-token ITL stays Prometheus-only: an SDK record() per token costs more than the rest of
+        # the request's telemetry together; OTLP gets the per-request TPOT (the GenAI convention's).
         if c.itl and c.first_token is not None and c.last_token is not None:
             self.tpot.record((c.last_token - c.first_token) / len(c.itl), attrs)
         if c.arrival is not None and c.scheduled is not None:
