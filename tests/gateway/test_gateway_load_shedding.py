@@ -148,18 +148,18 @@ def test_through_the_app_on_the_synthetic_driver_lowest_tier_is_refused_first() 
     app = create_app(settings, driver)
 
     async def main() -> tuple[list[int], list[int], set[str]]:
-        async with _Lifespan(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as client:
+        await driver.start()  # the app's lifespan only starts the driver when auth is off
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]  # concurrent, unlike the test client
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
 
-                async def one(priority: int) -> httpx.Response:
-                    body = {"prompt": "a b c", "max_tokens": 3, "priority": priority}
-                    return await client.post("/v1/completions", json=body)
+            async def one(priority: int) -> httpx.Response:
+                body = {"prompt": "a b c", "max_tokens": 3, "priority": priority}
+                return await client.post("/v1/completions", json=body)
 
-                low = await asyncio.gather(*(one(2) for _ in range(20)))
-                high = await asyncio.gather(*(one(0) for _ in range(2)))
-                retry = {r.headers.get("retry-after", "") for r in low if r.status_code == 503}
-                return [r.status_code for r in low], [r.status_code for r in high], retry
+            low = await asyncio.gather(*(one(2) for _ in range(20)))
+            high = await asyncio.gather(*(one(0) for _ in range(2)))
+            retry = {r.headers.get("retry-after", "") for r in low if r.status_code == 503}
+            return [r.status_code for r in low], [r.status_code for r in high], retry
 
     low, high, retry = asyncio.run(main())
     assert set(low) == {200, 503}
@@ -177,19 +177,3 @@ def test_body_priority_rejects_negative_values() -> None:
         assert resp.status_code == 400
         resp = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "priority": 2})
         assert resp.status_code == 200
-
-
-class _Lifespan:
-    def __init__(self, app) -> None:  # type: ignore[no-untyped-def]
-        self.app = app
-
-    async def __aenter__(self) -> None:
-        for hook in self.app.on_startup:
-            await hook(self.app)
-        self._cm = [cm(self.app) for cm in self.app._lifespan_managers]
-        for cm in self._cm:
-            await cm.__aenter__()
-
-    async def __aexit__(self, *exc: object) -> None:
-        for cm in reversed(self._cm):
-            await cm.__aexit__(None, None, None)
