@@ -321,7 +321,7 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p = sub.add_parser("prefix", help="shared system prompt: prefix cache on vs off", formatter_class=fmt)
     common(p)
     p.add_argument(
-        "--system-words", type=int, default=900, help="words of the shared system prompt (~1,000 tokens)"
+        "--system-words", type=int, default=970, help="words of the shared system prompt (~1,000 tokens)"
     )
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
     p.add_argument("--samples", type=int, default=6, help="sequential requests for TTFT")
