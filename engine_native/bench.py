@@ -120,7 +120,13 @@ def build_engine(loaded: LoadedModel, args: argparse.Namespace, dtype: str, max_
         model_path=args.model,
         dtype=dtype,
         num_threads=args.threads,
-        cache=CacheConfig(block_size=block, num_blocks=max_tokens_in_flight // block + 2 * args.max_num_seqs + 64),
+        # No prefix caching: warm-ups and repeated TTFT runs reuse prompts, and a cache hit would
+        # measure the cache, not the engine (the prefix cache has its own benchmark: sluice bench prefix).
+        cache=CacheConfig(
+            block_size=block,
+            num_blocks=max_tokens_in_flight // block + 2 * args.max_num_seqs + 64,
+            enable_prefix_caching=False,
+        ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
     )
     return LLMEngine(config, loaded=loaded, progress=False)
@@ -174,7 +180,8 @@ def direct_streams(model_path: str | None, num_streams: int, input_len: int, out
     rng = random.Random(seed)
     vocab = engine.loaded.config.vocab_size
     prompts = [[rng.randrange(_FIRST_TOKEN_ID, vocab) for _ in range(input_len)] for _ in range(num_streams)]
-    engine.generate(prompts[:2], _greedy(4))  # warm-up
+    warm_up = [[rng.randrange(_FIRST_TOKEN_ID, vocab) for _ in range(input_len)] for _ in range(2)]
+    engine.generate(warm_up, _greedy(4))  # other prompts than the measured ones: no prefix-cache hits
     rate, secs, tokens = ours_throughput(engine, Workload(prompts, [output_len] * num_streams))
     return {"output_tok_s": rate, "duration_s": secs, "output_tokens": float(tokens),
             "input_tokens": float(input_len * num_streams)}
