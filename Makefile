@@ -27,7 +27,7 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy engine_native drivers gateway
+	$(VENV)/bin/mypy engine_native drivers gateway tenants ratelimit observability web
 
 bench: setup
 	$(VENV)/bin/sluice bench engine

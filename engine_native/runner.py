@@ -6,15 +6,14 @@ prefill chunks and decodes into a `ForwardBatch`.
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Callable
+
+import torch
 
 from engine_native.forward_batch import ForwardBatch, KVCache
 from engine_native.model.base import CausalLM
 from engine_native.sampler import Sampler, SamplingInput
 from engine_native.scheduler import RunnerOutput, SchedulerOutput
-
 
 # request id -> the block ids that hold its KV, in token order
 BlockTableLookup = Callable[[str], list[int]]

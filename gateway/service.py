@@ -27,8 +27,6 @@ from gateway.errors import error_from_driver
 from gateway.fanout import Fanout, LifetimeExceededError
 from gateway.load_shedding import LoadShedder, Pending, SheddingPolicy
 from gateway.metrics import GatewayMetrics
-from observability.hub import TRACE_PARENT, Observability
-from observability.timeline import RequestTimeline
 from gateway.render import (
     SSE_DONE,
     ChatChunks,
@@ -41,6 +39,8 @@ from gateway.render import (
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ErrorDetail
 from gateway.settings import Settings
 from gateway.validation import Dispatch, chat_dispatch, completion_dispatch
+from observability.hub import TRACE_PARENT, Observability
+from observability.timeline import RequestTimeline
 from tenants.auth import TenantContext
 
 log = logging.getLogger("sluice.gateway")
@@ -269,7 +269,7 @@ class CompletionService:
             return {}
         try:
             return self.observability.finish(timeline, outcome)
-        except Exception:  # noqa: BLE001 - telemetry must never fail a request
+        except Exception:
             log.exception("recording telemetry failed", extra={"request_id": request_id})
             return {}
 
