@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import msgspec
@@ -64,6 +65,43 @@ def _respond(reply: Reply, rid: str) -> Response[Any]:
     )
 
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the response
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Reply]) -> Reply | None:
+    """Run `work`, cancelling it if the client disconnects first (None then).
+
+    A non-streamed completion, or a streamed one still queued for its first token, sends nothing
+    until it is done; without this watch a client that left would keep its request generating
+    to the end. Cancelling runs the service's `finally` blocks: the engine aborts the request,
+    its KV blocks are freed and the tenant's reservation is released.
+    """
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()  # the body is read: what comes next is a disconnect
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done() and task.cancelled():
+            return None
+        raise
+    finally:
+        watcher.cancel()
+
+
+def _reply(reply: Reply | None, rid: str) -> Response[Any]:
+    if reply is None:
+        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)  # nobody is there to read it
+    return _respond(reply, rid)
+
+
 @post("/v1/chat/completions", status_code=200, security=TENANT_SECURITY)
 async def chat_completions(
     request: Request,
@@ -72,7 +110,7 @@ async def chat_completions(
 ) -> Response[Any]:
     rid = _new_request_id(request, "chatcmpl")
     body = await _decode(request, ChatCompletionRequest)
-    return _respond(await service.chat(body, rid, caller), rid)
+    return _reply(await _unless_disconnected(request, service.chat(body, rid, caller)), rid)
 
 
 @post("/v1/completions", status_code=200, security=TENANT_SECURITY)
@@ -83,7 +121,7 @@ async def completions(
 ) -> Response[Any]:
     rid = _new_request_id(request, "cmpl")
     body = await _decode(request, CompletionRequest)
-    return _respond(await service.completion(body, rid, caller), rid)
+    return _reply(await _unless_disconnected(request, service.completion(body, rid, caller)), rid)
 
 
 @get("/v1/models", security=TENANT_SECURITY)

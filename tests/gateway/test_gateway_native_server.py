@@ -140,3 +140,29 @@ def test_fifty_concurrent_streams_all_finish_with_the_right_length(native: Serve
     results = asyncio.run(main())
     assert all(usage == 12 and finish == "length" and pieces >= 1 for pieces, usage, finish in results), results
     assert native.wait_idle(10)["kv_blocks_used"] == 0
+
+
+def test_a_client_gone_before_a_non_streamed_answer_aborts_it(native: Server) -> None:
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    assert native.wait_idle()["kv_blocks_used"] == 0
+    url = urlsplit(native.base_url)
+    body = json.dumps({"model": MODEL, "prompt": "Write a very long essay.", "max_tokens": 900,
+                       "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: {url.hostname}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 10
+        while native.stats()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert native.stats()["running"] == 1  # generating, nothing sent yet
+    # The socket is closed long before 900 tokens could be made: the request must be aborted.
+    deadline = time.monotonic() + 5
+    stats = native.stats()
+    while (stats["running"] or stats["kv_blocks_used"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = native.stats()
+    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
