@@ -41,6 +41,8 @@ from observability.node_health import NodeHealthConfig
 
 log = logging.getLogger(__name__)
 
+LOADING_RETRY_AFTER_S = 5.0  # what a request that arrives while the model loads is told
+
 _FINISH = {
     EngineFinishReason.STOP: FinishReason.STOP,
     EngineFinishReason.LENGTH: FinishReason.LENGTH,
@@ -100,6 +102,7 @@ class NativeDriver(Driver):
         self.supervisor: NodeSupervisor | None = None
         self.engines: list[AsyncEngineClient] = []
         self.tokenizer: Tokenizer | None = None
+        self.ready = False  # True once every engine has loaded its model
         self.max_model_len = 0
 
     # ----- lifecycle -------------------------------------------------------------------
@@ -111,6 +114,7 @@ class NativeDriver(Driver):
         self.max_model_len = min(i.max_model_len for i in infos)
         self.supervisor = NodeSupervisor(self.engines, self._node_health, self._fault_step_delay)
         await self.supervisor.start()
+        self.ready = True
         log.info("native driver ready: model=%s nodes=%d max_model_len=%d",
                  self.served_model_name, len(self.engines), self.max_model_len)
 
@@ -130,6 +134,8 @@ class NativeDriver(Driver):
 
     def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         self._check_model(request)
+        if not self.ready:
+            raise OverloadedError("the model is still loading", retry_after=LOADING_RETRY_AFTER_S)
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
         tok = self.tokenizer
@@ -269,11 +275,13 @@ class NativeDriver(Driver):
     async def health(self) -> DriverHealth:
         alive = [e for e in self.engines if e.alive]
         stats = [e.stats for e in alive if e.stats is not None]
+        if not self.ready:
+            return DriverHealth(ready=False, detail="the model is loading")
         detail = "" if len(alive) == len(self.engines) else "; ".join(
             f"{e.config.node_id}: {e.dead_reason}" for e in self.engines if not e.alive
         )
         return DriverHealth(
-            ready=bool(self.engines) and len(alive) == len(self.engines),
+            ready=len(alive) == len(self.engines),
             detail=detail,
             running=sum(s.running for s in stats),
             waiting=sum(s.waiting for s in stats),

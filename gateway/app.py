@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import os
+import signal
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 
@@ -25,6 +30,8 @@ from gateway.tenancy import FirstStartKeys, Tenancy
 from observability.hub import Observability, ObservabilityConfig
 from web import console_router
 
+log = logging.getLogger("sluice.gateway")
+
 
 def create_app(settings: Settings, driver: Driver) -> Litestar:
     metrics = GatewayMetrics()
@@ -45,10 +52,17 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
 
     @asynccontextmanager
     async def driver_lifespan(_: Litestar) -> AsyncGenerator[None, None]:
-        await driver.start()
+        # A model can take a while to load: the server listens meanwhile, /healthz answers and
+        # /readyz says 503 until the driver is ready. A driver that starts at once is awaited.
+        loading = asyncio.create_task(_start_driver(driver), name="sluice-driver-start")
+        await asyncio.wait([loading], timeout=DRIVER_START_WAIT_S)
         try:
             yield
         finally:
+            if not loading.done():
+                loading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loading
             await driver.stop()
             observability.shutdown()  # flushes spans still batched
 
@@ -96,6 +110,20 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
         ),
         logging_config=None,  # the CLI configures logging; Litestar must not add its own handlers
     )
+
+
+DRIVER_START_WAIT_S = 1.0  # start-up waits this long for the driver before listening without it
+
+
+async def _start_driver(driver: Driver) -> None:
+    """Start the driver; if that fails the process cannot serve, so log why and shut down."""
+    try:
+        await driver.start()
+    except Exception as exc:
+        log.exception("the driver failed to start; shutting down", extra={"error": str(exc)})
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    log.info("driver ready")
 
 
 def _announce_first_start(keys: FirstStartKeys, settings: Settings) -> None:

@@ -77,7 +77,8 @@ def start_server(
         if process.poll() is not None:
             raise RuntimeError(f"server exited: {process.stderr.read().decode() if process.stderr else ''}")
         try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+            # ready, not just alive: a native server listens while its model still loads
+            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
                 break
         except httpx.HTTPError:
             pass

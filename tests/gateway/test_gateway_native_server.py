@@ -166,3 +166,44 @@ def test_a_client_gone_before_a_non_streamed_answer_aborts_it(native: Server) ->
         time.sleep(0.05)
         stats = native.stats()
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_the_server_answers_while_the_model_loads() -> None:
+    """Alive (healthz 200) at once, ready (readyz 200) only once loaded; requests meanwhile get 503 +
+    Retry-After, not an error or a hang."""
+    import socket
+    import subprocess
+
+    from gateway_server import SLUICE
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([SLUICE, "serve", "--driver", "native", "--no-auth", "--port", str(port),
+                             "--max-model-len", "256", "--kv-cache-memory", "32MiB", "--log-level", "WARNING"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        seen_loading = False
+        while time.monotonic() < deadline:
+            try:
+                alive = httpx.get(f"{base}/healthz", timeout=1)
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            assert alive.status_code == 200
+            ready = httpx.get(f"{base}/readyz", timeout=1)
+            if ready.status_code == 200:
+                break
+            seen_loading = True
+            early = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            if httpx.get(f"{base}/readyz", timeout=1).status_code != 200:  # still loading when it was sent
+                assert early.status_code == 503 and early.headers["retry-after"]
+            time.sleep(0.1)
+        assert seen_loading, "the server only listened once the model was loaded"
+        ok = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(10)
