@@ -149,14 +149,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        chunk_cap = self.config.long_prefill_token_threshold
         # Most important first, so the tail holds the preemption victims.
         self.running.sort(key=_victim_order)
+
+        # A request more important than everything running gets a step of its own for its first
+        # chunk: its time to first token is then one prefill, not a prefill plus everyone's decodes.
+        # The running requests miss one step; later chunks share steps as usual.
+        if self.running and len(self.waiting):
+            least_running = min(r.priority for r in self.running)
+            if self.waiting.peek().priority < least_running:
+                self._admit_waiting(out, budget, below_priority=least_running)
+                if out.scheduled:
+                    return out
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n_new = min(request.num_tokens_to_compute, chunk_cap, budget)
+            n_new = min(request.num_tokens_to_compute, self.config.long_prefill_token_threshold, budget)
             total = request.num_computed_tokens + n_new
             while self.kv_cache.allocate_slots(request.request_id, total) is None:
                 victim = self.running[-1]
@@ -173,15 +182,23 @@ class Scheduler:
 
         # New work joins only if nothing had to be preempted for room this step (it would take the
         # blocks just freed and thrash); a more important request gets its turn next step.
-        if out.preempted_ids:
-            return out
+        if not out.preempted_ids:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, below_priority: int | None = None) -> None:
+        """Move waiting requests (only those with priority < `below_priority`, if given) into the
+        step while budget, the running cap and blocks allow; at the cap or out of blocks, a more
+        important request preempts less important running ones."""
+        chunk_cap = self.config.long_prefill_token_threshold
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
-            # At the running cap or out of blocks, a more important request preempts less important ones.
+            if below_priority is not None and request.priority >= below_priority:
+                return
             if len(self.running) >= self.config.max_num_seqs:
                 restored = self._preempt_less_important(request, out)
                 if restored is None:
-                    break
+                    return
                 budget += restored
                 continue
             # Waiting requests hold nothing (new or preempted): they start from their cached prefix.
@@ -194,7 +211,7 @@ class Scheduler:
             if self.kv_cache.allocate_slots(request.request_id, start + n_new, cached) is None:
                 restored = self._preempt_less_important(request, out)
                 if restored is None:
-                    break
+                    return
                 budget += restored
                 continue
             request.num_computed_tokens = start
@@ -207,7 +224,6 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest.of(request, n_new))
             budget -= n_new
-        return out
 
     def _preempt_less_important(self, request: Request, out: SchedulerOutput) -> int | None:
         """Preempt the least important running request if it is strictly less important than

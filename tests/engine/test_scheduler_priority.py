@@ -114,3 +114,28 @@ def test_an_idle_tenant_banks_no_credit() -> None:
     # b arrives late: it is lifted to the waiting tenants' level, not left at zero to monopolise
     s.add_request(tenant_request("b0", "b", arrival=100.0))
     assert s.fair_share.counter("b") == s.fair_share.counter("a") > 0
+
+
+def test_a_more_important_arrival_gets_its_first_chunk_in_a_step_of_its_own() -> None:
+    s = make_scheduler(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    lows = [make_request(f"low{i}", 8, max_tokens=30, priority=2, arrival=float(i)) for i in range(3)]
+    for r in lows:
+        s.add_request(r)
+    run_step(s)
+    vip = make_request("vip", 40, max_tokens=3, priority=0, arrival=10.0)
+    s.add_request(vip)
+    first = run_step(s)
+    assert [x.request.request_id for x in first.scheduled] == ["vip"] and not first.preempted_ids
+    second = run_step(s)  # the rest of its prompt shares the step with everyone's decodes again
+    assert {x.request.request_id for x in second.scheduled} == {"vip", "low0", "low1", "low2"}
+    drain(s)
+    for r in [*lows, vip]:
+        assert r.output_token_ids == [token_for(r, k) for k in range(r.sampling_params.max_tokens)]
+
+
+def test_equal_priority_arrivals_share_the_step() -> None:
+    s = make_scheduler(num_blocks=512, max_num_seqs=8)
+    s.add_request(make_request("a", 8, max_tokens=10, priority=1))
+    run_step(s)
+    s.add_request(make_request("b", 8, max_tokens=10, priority=1, arrival=1.0))
+    assert {x.request.request_id for x in run_step(s).scheduled} == {"a", "b"}
