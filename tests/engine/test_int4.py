@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from engine_native.config import CacheConfig, EngineConfig
@@ -11,7 +10,9 @@ from engine_native.model.bundled import bundled_model_path
 from engine_native.model.int4 import int4_kernel_available, int4_linear, pack_int4_lossless
 from engine_native.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not int4_kernel_available(), reason="this torch has no int4 CPU kernel")
+
+def test_the_pinned_torch_has_the_int4_cpu_kernel() -> None:
+    assert int4_kernel_available()
 
 
 def q4_1_like(n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import sync_playwright
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "gateway"))  # gateway_server: starts real servers
 
@@ -29,40 +28,20 @@ CHROMIUM_ARGS = [
 ARTIFACTS = Path(__file__).parents[2] / "artifacts" / "web"
 
 
-def _chromium() -> tuple[str | None, str]:
-    """Debian's chromium (installing it as `make setup` does, when we are root), or why there is none."""
-    found = shutil.which("chromium")
-    if found:
-        return found, ""
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return None, "chromium is not installed and this user cannot apt-get it (run `make setup` as root)"
-    result = subprocess.run(
-        "apt-get update && apt-get install -y chromium",
-        check=False,
-        shell=True,
-        capture_output=True,
-        timeout=900,
-    )
-    found = shutil.which("chromium")
-    if found:
-        return found, ""
-    return None, f"apt-get install chromium failed: {result.stderr.decode(errors='replace')[-500:]}"
-
-
 @pytest.fixture(scope="session")
 def chromium_path() -> str:
-    path, reason = _chromium()
-    if path is None:
-        pytest.skip(reason)
-    return path
+    """Debian's chromium, which `make test` installs (`make browser`)."""
+    found = shutil.which("chromium")
+    if found is None:
+        pytest.fail("chromium is not installed: run `make browser` (or `make test`, which does)")
+    return found
 
 
 # Module scope, not session: Playwright's sync API keeps an event loop running on this thread while
 # it is open, and tests after this module call asyncio.run().
 @pytest.fixture(scope="module")
 def browser(chromium_path: str) -> Iterator[object]:
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extras")
-    with sync_api.sync_playwright() as p:
+    with sync_playwright() as p:
         instance = p.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
         try:
             yield instance
