@@ -13,7 +13,9 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -30,6 +32,9 @@ from engine_native.messages import (
     Shutdown,
     StepOutputs,
 )
+
+if TYPE_CHECKING:  # the real import happens in the child only: torch must not load in the parent
+    from engine_native.engine import LLMEngine
 
 IDLE_POLL_S = 0.25  # how often an idle engine re-sends its stats
 STATS_INTERVAL_S = 0.1  # the most often a busy engine sends stats
@@ -105,7 +110,7 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
             pass
 
 
-def _add(engine, msg: AddRequest, send) -> None:  # type: ignore[no-untyped-def]
+def _add(engine: LLMEngine, msg: AddRequest, send: Callable[[EngineMessage], None]) -> None:
     from engine_native.scheduler import QueueFullError
 
     try:

@@ -23,6 +23,7 @@ from engine_native.fair_queue import FairShare, WaitingQueue, tenant_of
 from engine_native.kv_cache_manager import KVCacheManager, cdiv
 from engine_native.request import Request, RequestStatus
 from engine_native.sampler import TokenLogprobs
+from engine_native.stop import check_stop_token
 
 
 @dataclass
@@ -284,12 +285,12 @@ class Scheduler:
         return updates
 
     def _check_stop(self, request: Request, token: int) -> bool:
-        params = request.sampling_params
-        if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
+        reason = check_stop_token(token, request.sampling_params, request.eos_token_ids, request.num_output_tokens)
+        if reason == "stop":
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token
             return True
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if reason == "length" or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

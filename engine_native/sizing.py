@@ -41,8 +41,5 @@ def num_kv_blocks(config: EngineConfig, model: ModelConfig, kv_dtype: torch.dtyp
     blocks = budget // per_block
     # More than every running sequence at full context could ever use is waste.
     ceiling = config.scheduler.max_num_seqs * cdiv(max_model_len, cache.block_size)
-    blocks = min(blocks, ceiling)
-    if blocks < cdiv(max_model_len, cache.block_size):
-        # Still usable (requests are checked against the pool), but worth a warning upstream.
-        blocks = max(blocks, 1)
-    return int(blocks)
+    # A pool smaller than one full context still works: requests that could never fit are refused.
+    return max(1, int(min(blocks, ceiling)))

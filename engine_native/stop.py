@@ -6,6 +6,7 @@ of the text, not of any single token.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Literal
 
 from engine_native.sampling_params import SamplingParams
@@ -14,7 +15,7 @@ StopReason = Literal["stop", "length"]  # the names of `FinishReason` members, l
 
 
 def check_stop_token(
-    token_id: int, params: SamplingParams, eos_token_ids: list[int], num_output_tokens: int
+    token_id: int, params: SamplingParams, eos_token_ids: Collection[int], num_output_tokens: int
 ) -> StopReason | None:
     """Why the request finishes after sampling `token_id`, or None to keep going.
 

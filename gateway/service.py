@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 
@@ -45,6 +46,8 @@ from tenants.auth import TenantContext
 
 log = logging.getLogger("sluice.gateway")
 
+_Body = TypeVar("_Body", ChatCompletionRequest, CompletionRequest)
+
 
 @dataclass(frozen=True)
 class Reply:
@@ -70,36 +73,34 @@ class CompletionService:
         self._pending: dict[str, Pending] = {}  # admitted by the shedder and not finished
 
     async def chat(self, body: ChatCompletionRequest, rid: str, caller: TenantContext | None = None) -> Reply:
-        cap = self.settings.max_default_tokens
-        dispatch = self._dispatch(lambda: chat_dispatch(body, rid, self.driver, cap), caller, rid, body.model)
-        ticket = await self._shed_or_admit(dispatch, caller)
-        created = int(time.time())
-        logprobs = dispatch.logprobs is not None
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            renderer = ChatChunks(rid, created, dispatch.model)
-            return await self._stream(dispatch, ticket, renderer, include_usage, logprobs)
-        outputs = await self._collect(dispatch, ticket)
-        reply = chat_completion(rid, created, dispatch.model, outputs, dispatch.prompt_tokens, logprobs)
-        return Reply(reply, _headers(ticket))
+        return await self._serve(body, rid, caller, chat_dispatch, ChatChunks, chat_completion)
 
     async def completion(
         self, body: CompletionRequest, rid: str, caller: TenantContext | None = None
     ) -> Reply:
+        return await self._serve(body, rid, caller, completion_dispatch, CompletionChunks, text_completion)
+
+    async def _serve(
+        self,
+        body: _Body,
+        rid: str,
+        caller: TenantContext | None,
+        build: Callable[[_Body, str, Driver, int], Dispatch],
+        chunks: type[ChatChunks | CompletionChunks],
+        whole: Callable[[str, int, str, list[ChoiceOutput], int, bool], msgspec.Struct],
+    ) -> Reply:
+        """The one path of both endpoints: dispatch, shed or admit, then stream or collect."""
         cap = self.settings.max_default_tokens
-        dispatch = self._dispatch(
-            lambda: completion_dispatch(body, rid, self.driver, cap), caller, rid, body.model
-        )
+        dispatch = self._dispatch(lambda: build(body, rid, self.driver, cap), caller, rid, body.model)
         ticket = await self._shed_or_admit(dispatch, caller)
         created = int(time.time())
         logprobs = dispatch.logprobs is not None
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            renderer = CompletionChunks(rid, created, dispatch.model)
+            renderer = chunks(rid, created, dispatch.model)
             return await self._stream(dispatch, ticket, renderer, include_usage, logprobs)
         outputs = await self._collect(dispatch, ticket)
-        reply = text_completion(rid, created, dispatch.model, outputs, dispatch.prompt_tokens, logprobs)
-        return Reply(reply, _headers(ticket))
+        return Reply(whole(rid, created, dispatch.model, outputs, dispatch.prompt_tokens, logprobs), _headers(ticket))
 
     # -- tenancy ---------------------------------------------------------------------------------
 

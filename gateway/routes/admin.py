@@ -117,6 +117,13 @@ async def tenant_usage(
     return UsageOut.of(await _tenants(request).usage(tenant_id, start, end, group_by))
 
 
+def _own_tenant(caller: TenantContext | None) -> str:
+    """The tenant of the calling key: usage endpoints under /v1 only ever show the caller's own."""
+    if caller is None:
+        raise AuthenticationError("Usage needs an API key")
+    return caller.tenant_id
+
+
 @get("/v1/usage", security=TENANT_SECURITY, tags=["usage"])
 async def own_usage(
     request: Request,
@@ -126,9 +133,7 @@ async def own_usage(
     group_by: Annotated[GroupBy, QueryParameter()] = "day",
 ) -> UsageOut:
     """The calling tenant's usage; a key can only ever see its own tenant's."""
-    if caller is None:
-        raise AuthenticationError("Usage needs an API key")
-    return UsageOut.of(await _tenants(request).usage(caller.tenant_id, start, end, group_by))
+    return UsageOut.of(await _tenants(request).usage(_own_tenant(caller), start, end, group_by))
 
 
 @get("/admin/tenants/{tenant_id:str}/latency", security=ADMIN_SECURITY, tags=["admin"])
@@ -152,9 +157,7 @@ async def own_latency(
     group_by: Annotated[GroupBy, QueryParameter()] = "day",
 ) -> LatencyOut:
     """p50/p90/p99 of the calling tenant's time to first token and end-to-end latency."""
-    if caller is None:
-        raise AuthenticationError("Usage needs an API key")
-    return LatencyOut.of(await _tenants(request).latency(caller.tenant_id, start, end, group_by))
+    return LatencyOut.of(await _tenants(request).latency(_own_tenant(caller), start, end, group_by))
 
 
 @get("/admin/models", security=ADMIN_SECURITY, tags=["admin"])
