@@ -23,19 +23,12 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import httpx
-
 from gateway.bench_serve import BenchConfig, BenchResult, run_benchmark
+from gateway.server_process import ServerProcess
 
 TARGET_RATIO = 0.9
 
@@ -55,61 +48,14 @@ class GatewayBenchConfig:
 QUICK = GatewayBenchConfig(num_streams=4, input_len=16, output_len=8)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def running_server(config: GatewayBenchConfig) -> Iterator[str]:
-    """A `sluice serve` subprocess (its own process group) until the block exits; yields its base URL."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--driver", "native", "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", config.dtype, "--num-threads", str(config.threads),
-           "--log-level", "WARNING", "--no-auth"]
+    """A native `sluice serve` until the block exits; yields its base URL."""
+    options = ["--driver", "native", "--dtype", config.dtype, "--num-threads", str(config.threads)]
     if config.model:
-        cmd += ["--model", config.model]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    base = f"http://127.0.0.1:{port}"
-    with tempfile.NamedTemporaryFile("w+", prefix="sluice-bench-gateway-", suffix=".log") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            _wait_ready(proc, base, config.startup_timeout_s, log_file.name)
-            yield base
-        finally:
-            _stop(proc)
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], base: str, timeout_s: float, log_path: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sluice serve exited with {proc.returncode}:\n{_tail(log_path)}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/readyz", timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"sluice serve not ready after {timeout_s:.0f} s:\n{_tail(log_path)}")
-
-
-def _tail(path: str, chars: int = 3000) -> str:
-    with open(path) as f:
-        return f.read()[-chars:]
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM lets uvicorn shut the driver (and its engine process) down; the group is killed if it lingers."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # the group we created: any engine process left behind
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
+        options += ["--model", config.model]
+    with ServerProcess(options, startup_timeout_s=config.startup_timeout_s) as server:
+        yield server.base_url
 
 
 def through_gateway(config: GatewayBenchConfig) -> BenchResult:

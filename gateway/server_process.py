@@ -7,14 +7,17 @@ with ServerProcess(["--driver", "native", "--max-num-seqs", "8"]) as server:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import IO, Self
 
 import httpx
 
@@ -27,13 +30,24 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, options: list[str], startup_timeout_s: float = 300.0, auth: bool = False) -> None:
+    """The one way our benchmarks start `sluice serve`: free port, own process group, output to a
+    temporary log (quoted when it fails), ready only once /readyz says so, stopped on exit."""
+
+    def __init__(
+        self,
+        options: list[str],
+        startup_timeout_s: float = 300.0,
+        auth: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.options = options
         self.startup_timeout_s = startup_timeout_s
         self.auth = auth
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
 
     def __enter__(self) -> Self:
         sluice = str(Path(sys.executable).parent / "sluice")
@@ -49,33 +63,53 @@ class ServerProcess:
             *([] if self.auth else ["--no-auth"]),
             *self.options,
         ]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # A file, not a pipe: nobody reads the server's output while it runs, and a full pipe blocks it.
+        self._log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + self.startup_timeout_s
-        while True:
+        while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                err = self.process.stderr.read().decode() if self.process.stderr else ""
-                raise RuntimeError(f"server exited: {err[-2000:]}")
-            try:
+                raise RuntimeError(f"sluice serve exited with {self.process.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.base_url}/readyz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.process.kill()
-                raise RuntimeError("server did not come up")
+                    return
             time.sleep(0.2)
+        raise RuntimeError(f"sluice serve not ready after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-chars:]
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self.process is None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        """SIGTERM lets the server shut its engines down; its process group is killed if anything lingers."""
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(15)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(5)
+            self.process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def stats(self) -> dict[str, object]:
         data: dict[str, object] = httpx.get(f"{self.base_url}/v1/engine/stats", timeout=10).json()

@@ -19,13 +19,11 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 
-from gateway.bench_gateway import _stop, free_port
 from gateway.bench_serve import BenchConfig, run_benchmark
+from gateway.server_process import ServerProcess, free_port
 
 TARGET = 0.95
-SLUICE = str(Path(sys.executable).parent / "sluice")
 _SINK = """
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -39,32 +37,14 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 
 @contextmanager
-def _process(cmd: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    import os
-
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+def _sink(port: int) -> Iterator[None]:
+    proc = subprocess.Popen([sys.executable, "-c", _SINK, str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
-        yield proc
+        yield
     finally:
-        _stop(proc)
-
-
-def _wait_up(base: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
-    import time
-
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {base} exited")
-        try:
-            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server {base} did not come up")
+        proc.kill()
+        proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,16 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     sink_port = free_port()
     bases = {}
     with ExitStack() as stack:
-        stack.enter_context(_process([sys.executable, "-c", _SINK, str(sink_port)]))
-        procs = {}
+        stack.enter_context(_sink(sink_port))
         for mode, env in (("off", {"SLUICE_TELEMETRY": "0"}),
                           ("on", {} if args.no_otlp else {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}"})):
-            port = free_port()
-            cmd = [SLUICE, "serve", "--no-auth", "--port", str(port), "--log-level", "WARNING", *engine]
-            procs[mode] = stack.enter_context(_process(cmd, env))
-            bases[mode] = f"http://127.0.0.1:{port}"
-        for mode, base in bases.items():
-            _wait_up(base, procs[mode])
+            bases[mode] = stack.enter_context(ServerProcess(engine, env=env)).base_url
         rates: dict[str, list[float]] = {"off": [], "on": []}
         for r in range(args.rounds):
             for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):

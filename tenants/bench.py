@@ -14,53 +14,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 
-SLUICE = str(Path(sys.executable).parent / "sluice")
+from gateway.server_process import ServerProcess
+
 ADMIN_KEY = "bench-admin-key"
 BODY = {"messages": [{"role": "user", "content": "hello bench"}], "max_tokens": 8}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
+# A benchmark of the whole gateway, so it starts servers the way the gateway's own benchmarks do.
 @contextmanager
 def _server(auth: bool, env: dict[str, str]) -> Iterator[str]:
-    port = _free_port()
-    cmd = [SLUICE, "serve", "--driver", "synthetic", "--port", str(port), "--log-level", "WARNING"]
-    cmd += ["--synthetic-tokens-per-second", "0", "--synthetic-ttft-ms", "0", "--max-num-seqs", "1024"]
-    cmd += ["--max-waiting", "4096"] + ([] if auth else ["--no-auth"])
-    process = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("server did not come up")
-            time.sleep(0.1)
-        yield base
-    finally:
-        process.terminate()
-        process.wait(30)
+    options = ["--driver", "synthetic", "--synthetic-tokens-per-second", "0", "--synthetic-ttft-ms", "0",
+               "--max-num-seqs", "1024", "--max-waiting", "4096"]
+    with ServerProcess(options, startup_timeout_s=60, auth=auth, env=env) as server:
+        yield server.base_url
 
 
 def _tenant_key(base: str) -> str:
