@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from gateway.server_process import ServerProcess
 
 SLUICE = str(Path(sys.executable).parent / "sluice")
 MAX_MODEL_LEN = 512
@@ -41,56 +41,12 @@ class Server:
         return stats
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def start_server(
     *options: str, startup_timeout_s: float = 30, auth: bool = False, env: dict[str, str] | None = None
 ) -> Iterator[Server]:
     """Options come after `--driver synthetic`, so a later `--driver native` wins. Auth is off unless
-    asked for (the tenant tests turn it on and pass DATABASE_URL etc. in `env`)."""
-    port = _free_port()
-    cmd = [
-        SLUICE,
-        "serve",
-        "--driver",
-        "synthetic",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "WARNING",
-        *([] if auth else ["--no-auth"]),
-        *options,
-    ]
-    process = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})}
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + startup_timeout_s
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited: {process.stderr.read().decode() if process.stderr else ''}")
-        try:
-            # ready, not just alive: a native server listens while its model still loads
-            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError("server did not come up")
-        time.sleep(0.1)
-    try:
-        yield Server(base, process)
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    asked for (the tenant tests turn it on and pass DATABASE_URL etc. in `env`). Ready once /readyz
+    says so: a native server listens while its model still loads."""
+    with ServerProcess(["--driver", "synthetic", *options], startup_timeout_s, auth, env) as server:
+        assert server.process is not None
+        yield Server(server.base_url, server.process)
