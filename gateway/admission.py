@@ -1,11 +1,17 @@
 """Per-request tenant admission: budget and rate limits before dispatch, release and usage after.
 
-    admit()  -> Ticket       monthly budget, then RateLimiter.admit(prompt + max_tokens)
-    finish(ticket, ...)      RateLimiter.release(actual tokens) + one usage record; exactly once
-    refuse(caller, ...)      a usage record for a request that never reached the engine
+    admit(..., tokens, sequences) -> Ticket   monthly budget, then RateLimiter.admit(prompt + max_tokens,
+                                              prompts x n sequences against max_concurrent)
+    finish(ticket, ...)      the request ran: RateLimiter.release(actual tokens) + one usage record
+    cancel(ticket, status)   it was refused or failed before it ran: every reserved token back,
+                             a usage record of 0 tokens
+    refuse(caller, ...)      a usage record of 0 tokens for a request that was never admitted
 
-`finish` runs the release as its own task so a client disconnect (which cancels
-the request's task) can never cancel a refund half-way; callers may await it.
+A ticket ends in exactly one `finish` or `cancel` (the later calls do nothing), so
+its slots are freed and its tokens refunded once. Both run the release as its own
+task so a client disconnect (which cancels the request's task) can never cancel a
+refund half-way; callers may await it. A disconnect during `admit` is the
+limiter's to undo (`RateLimiter.admit`).
 """
 
 from __future__ import annotations
@@ -44,15 +50,18 @@ class TenantGate:
         self.monthly = monthly
         self._releases: set[asyncio.Task[None]] = set()
 
-    async def admit(self, caller: TenantContext, request_id: str, model: str, tokens: int) -> Ticket:
-        """Charge `tokens` (prompt + max_tokens) or raise QuotaExceeded / RateLimited / LimiterUnavailable."""
+    async def admit(
+        self, caller: TenantContext, request_id: str, model: str, tokens: int, sequences: int = 1
+    ) -> Ticket:
+        """Charge `tokens` (prompt + max_tokens) and `sequences` (prompts x n) concurrency slots,
+        or raise QuotaExceeded / RateLimited / LimiterUnavailable."""
         budget = caller.monthly_token_budget
         if budget is not None and await self.monthly.used(caller.tenant_id) >= budget:
             self.refuse(caller, request_id, model, "insufficient_quota")
             raise QuotaExceededError(
                 f"Tenant '{caller.tenant_name}' has used its monthly budget of {budget} tokens"
             )
-        admission = await self.limiter.admit(caller.tenant_id, request_id, caller.limits, tokens)
+        admission = await self.limiter.admit(caller.tenant_id, request_id, caller.limits, tokens, sequences)
         if not admission.allowed:
             self.refuse(caller, request_id, model, "rate_limited")
             reason = getattr(admission, "message", None) or f"Rate limit reached for {admission.refused_by}"
@@ -72,12 +81,31 @@ class TenantGate:
         ttft_s: float | None,
         status: str,
     ) -> asyncio.Task[None] | None:
-        """Release the reservation and record usage; the returned task completes the release."""
+        """The request ran: refund what it did not use, free its slots and record its usage.
+
+        Returns the task that completes the release (None when there is nothing to release)."""
         if ticket.finished:
             return None
         ticket.finished = True
         total = prompt_tokens + completion_tokens
         self.monthly.add(ticket.caller.tenant_id, total)
+        self._record(ticket, prompt_tokens, completion_tokens, ttft_s, status)
+        return self._release(ticket, total)
+
+    def cancel(self, ticket: Ticket, status: str) -> asyncio.Task[None] | None:
+        """The admitted request was refused or failed before it ran (queue full, engine dead, a 4xx):
+        give back every token it reserved, free its slots, record usage of 0 tokens.
+
+        Exactly once with `finish`: whichever comes first counts. Returns the release's task."""
+        if ticket.finished:
+            return None
+        ticket.finished = True
+        self._record(ticket, 0, 0, None, status)
+        return self._release(ticket, 0)
+
+    def _record(
+        self, ticket: Ticket, prompt_tokens: int, completion_tokens: int, ttft_s: float | None, status: str
+    ) -> None:
         self.usage.record(
             UsageEvent(
                 request_id=ticket.request_id,
@@ -91,14 +119,18 @@ class TenantGate:
                 status=status,
             )
         )
+
+    def _release(self, ticket: Ticket, tokens_used: int) -> asyncio.Task[None] | None:
         if ticket.reservation is None:
             return None
-        task = asyncio.create_task(self.limiter.release(ticket.reservation, total))
+        task = asyncio.create_task(self.limiter.release(ticket.reservation, tokens_used))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
         return task
 
     def refuse(self, caller: TenantContext, request_id: str, model: str, status: str) -> None:
+        """A request refused before it was admitted (bad input, shed, budget, limits): usage of 0 tokens,
+        nothing to release."""
         self.usage.record(
             UsageEvent(request_id, caller.tenant_id, caller.key_id, model, 0, 0, None, 0.0, status)
         )
