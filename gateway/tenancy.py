@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.admission import TenantGate
 from gateway.settings import Settings
-from ratelimit.base import FailMode, RateLimiter
+from ratelimit.base import FailMode, RateLimiter, lease_for
 from tenants.auth import AdminAuthenticator, KeyAuthenticator
 from tenants.db import create_engine, default_sqlite_url, run_migrations, session_factory
 from tenants.service import TenantService, TenantSpec
@@ -32,7 +32,10 @@ def create_limiter(settings: Settings) -> RateLimiter:
     from ratelimit.registry import create_rate_limiter
 
     return create_rate_limiter(
-        settings.redis_url, FailMode(settings.ratelimit_fail_mode), timeout_s=settings.ratelimit_timeout_s
+        settings.redis_url,
+        FailMode(settings.ratelimit_fail_mode),
+        timeout_s=settings.ratelimit_timeout_s,
+        lease_s=lease_for(settings.stream_timeout_s),  # no request outlives its stream timeout
     )
 
 

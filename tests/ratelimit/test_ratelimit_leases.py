@@ -123,6 +123,11 @@ def test_frozen_redis_leaves_no_lease_behind(spare_redis: PrivateRedis, mode: Fa
     async def main() -> None:
         limiter = RedisRateLimiter(spare_redis.url, mode, timeout_s=TIMEOUT_S)
         try:
+            # Eight open connections, so that each call below goes out at once on its own and
+            # waits in Redis' socket buffers (a fresh connection would stall in its handshake).
+            warm = TenantLimits(max_concurrent=100)
+            pooled = await asyncio.gather(*(limiter.admit("warm-up", f"w{i}", warm, 0) for i in range(8)))
+            await asyncio.gather(*(limiter.release(w.reservation, 0) for w in pooled if w.reservation))
             held = [await limiter.admit("t", f"held{i}", limits, 1000) for i in range(2)]
             assert all(h.allowed and not h.degraded and h.reservation is not None for h in held)
             spare_redis.pause()

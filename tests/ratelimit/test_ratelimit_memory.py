@@ -1,4 +1,4 @@
-"""What only the in-process backend has: forgetting idle tenants."""
+"""What only the in-process backend has: forgetting idle tenants; and how long the gateway's leases last."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import asyncio
 
 from ratelimit_support import StepClock
 
-from ratelimit.base import Reservation, TenantLimits
+from gateway.settings import Settings
+from gateway.tenancy import create_limiter
+from ratelimit.base import LEASE_GRACE_S, Reservation, TenantLimits
 from ratelimit.memory import InProcessRateLimiter
 
 
@@ -38,3 +40,10 @@ def test_idle_tenants_are_forgotten_once_full_and_free() -> None:
         assert "busy" not in limiter._tenants and "gone" not in limiter._tenants
 
     asyncio.run(main())
+
+
+def test_leases_follow_the_gateway_stream_timeout() -> None:
+    """A lease outlives the longest request by a grace, whatever SLUICE_STREAM_TIMEOUT_S says."""
+    limiter = create_limiter(Settings(stream_timeout_s=30.0))
+    assert isinstance(limiter, InProcessRateLimiter)
+    assert limiter.lease_s == 30.0 + LEASE_GRACE_S
