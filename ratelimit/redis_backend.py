@@ -73,8 +73,9 @@ class RedisRateLimiter(RateLimiter):
         `lease_s` is how long an admitted request holds its slots if it is never released (its
         replica died): longer than any request may run (see `ratelimit.base.lease_for`).
         `registry`: where to register `ratelimit_backend_errors_total`; None keeps only `backend_errors`.
-        `retry`: how failed releases are retried (None: `RetryPolicy()`). `clock` (seconds): None uses Redis' own clock, which
-        replicas share; tests pass one they move by hand.
+        `retry`: how failed releases are retried (None: `RetryPolicy()`).
+        `clock` (seconds): None uses Redis' own clock, which replicas share; tests pass one they move
+        by hand.
         """
         self.fail_mode = fail_mode
         self.key_prefix = key_prefix

@@ -41,7 +41,9 @@ class StepClock:
         self.now += seconds
 
 
-async def wait_until(check: Callable[[], bool | Awaitable[bool]], what: str, within_s: float = HANG_S) -> None:
+async def wait_until(
+    check: Callable[[], bool | Awaitable[bool]], what: str, within_s: float = HANG_S
+) -> None:
     """Poll `check` until it holds; fail saying `what` did not happen once `within_s` has passed."""
     deadline = time.monotonic() + within_s
     while True:
@@ -173,12 +175,26 @@ def private_redis() -> Iterator[PrivateRedis]:
         server.kill()
 
 
+class _Link:
+    """One client connection through the proxy: its own gates, and whether it has ended."""
+
+    def __init__(self) -> None:
+        self.commands = asyncio.Event()
+        self.replies = asyncio.Event()
+        self.commands.set()
+        self.replies.set()
+        self.ended = asyncio.Event()
+
+
 class RedisProxy:
     """A TCP proxy in front of a Redis that can hold its traffic back, as a stalled network does.
 
     `hold_replies()`: commands still reach Redis and run, their replies wait here (a reply lost
-    to the caller's timeout after the script ran). `hold_all()`: commands wait here too (a Redis
-    that is not reading). `flow()`: everything held is passed on, in order, and traffic flows again.
+    to the caller's timeout after the script ran). `stall_open_connections()`: what the
+    connections open now send or receive waits here, while new connections flow (a command
+    stuck on its way that reaches Redis after later ones). `flow()`: everything held is passed
+    on, in order, and traffic flows again. A client that leaves is passed on as a half-close once
+    what it sent has reached Redis, as the kernel would: Redis runs it, answers, then hangs up.
     Runs in the test's event loop.
     """
 
@@ -186,10 +202,10 @@ class RedisProxy:
         self.upstream_port = upstream_port
         self.port = 0
         self.replies_held = 0  # reply chunks that arrived from Redis while replies were held
-        self._commands = asyncio.Event()
         self._replies = asyncio.Event()
-        self._commands.set()
         self._replies.set()
+        self._links: set[_Link] = set()
+        self._stalled: list[_Link] = []
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -203,13 +219,22 @@ class RedisProxy:
     def hold_replies(self) -> None:
         self._replies.clear()
 
-    def hold_all(self) -> None:
-        self._commands.clear()
-        self._replies.clear()
+    def stall_open_connections(self) -> None:
+        self._stalled = list(self._links)
+        for link in self._stalled:
+            link.commands.clear()
+            link.replies.clear()
 
     def flow(self) -> None:
-        self._commands.set()
         self._replies.set()
+        for link in self._links:
+            link.commands.set()
+            link.replies.set()
+
+    async def stalled_ended(self) -> None:
+        """Wait until every stalled connection has ended: what it held has reached Redis and run."""
+        for link in self._stalled:
+            await asyncio.wait_for(link.ended.wait(), HANG_S)
 
     async def close(self) -> None:
         self.flow()
@@ -225,18 +250,17 @@ class RedisProxy:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        link = _Link()
         try:
             redis_r, redis_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         except OSError:
             client_w.close()
             self._tasks.discard(task)
             return
-        up = asyncio.create_task(self._pump(client_r, redis_w, self._commands, counts=False))
-        down = asyncio.create_task(self._pump(redis_r, client_w, self._replies, counts=True))
+        self._links.add(link)
+        up = asyncio.create_task(self._pump(client_r, redis_w, (link.commands,)))
+        down = asyncio.create_task(self._pump(redis_r, client_w, (self._replies, link.replies)))
         try:
-            # A client that leaves is passed on as a half-close once what it sent has reached Redis
-            # (as the kernel would deliver it): Redis runs those commands, answers, then hangs up.
-            # Redis leaving ends the connection at once.
             await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
             if up.done() and not down.done():
                 if redis_w.can_write_eof():
@@ -248,15 +272,19 @@ class RedisProxy:
             await asyncio.gather(up, down, return_exceptions=True)
             client_w.close()
             redis_w.close()
+            self._links.discard(link)
+            link.ended.set()
             self._tasks.discard(task)
 
     async def _pump(
-        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, gate: asyncio.Event, counts: bool
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, gates: tuple[asyncio.Event, ...]
     ) -> None:
         while data := await source.read(65536):
-            if counts and not gate.is_set():
+            if gates[0] is self._replies and not self._replies.is_set():
                 self.replies_held += 1
-            await gate.wait()
+            while not all(gate.is_set() for gate in gates):
+                for gate in gates:
+                    await gate.wait()
             try:
                 sink.write(data)
                 await sink.drain()

@@ -76,6 +76,30 @@ def test_admit_whose_reply_is_lost_after_the_script_ran_holds_nothing(redis_pref
     asyncio.run(through_proxy(body))
 
 
+def test_admit_that_reaches_redis_after_its_rollback_charges_nothing(redis_prefix: str) -> None:
+    """Fail-closed: the admit is stuck on its way, times out and is rolled back on another
+    connection; only then does it reach Redis and run. It must charge nothing."""
+    limits = TenantLimits(tokens_per_minute=1000, max_concurrent=1)
+
+    async def body(proxy: RedisProxy) -> None:
+        limiter = RedisRateLimiter(proxy.url(), FailMode.CLOSED, key_prefix=redis_prefix, timeout_s=TIMEOUT_S)
+        try:
+            await connected(limiter)
+            proxy.stall_open_connections()  # the pooled connection the admit will use
+            lost = await limiter.admit("t", "r1", limits, 600)
+            assert not lost.allowed and lost.refused_by == "unavailable"
+            await wait_until(lambda: limiter.releases_pending == 0, "the rollback reached Redis")
+            proxy.flow()
+            await proxy.stalled_ended()  # the admit has reached Redis and run
+            assert await leases(REDIS_URL, redis_prefix, "t") == 0
+            whole = await limiter.admit("t", "r2", limits, 1000)
+            assert whole.allowed and whole.headers["x-ratelimit-remaining-tokens"] == "0", whole
+        finally:
+            await limiter.close()
+
+    asyncio.run(through_proxy(body))
+
+
 @pytest.mark.parametrize("mode", [FailMode.OPEN, FailMode.CLOSED])
 def test_admit_cancelled_by_a_client_disconnect_holds_nothing(redis_prefix: str, mode: FailMode) -> None:
     """The request's task is cancelled while the admission's reply is on its way."""
@@ -94,7 +118,7 @@ def test_admit_cancelled_by_a_client_disconnect_holds_nothing(redis_prefix: str,
             with pytest.raises(asyncio.CancelledError):
                 await admitting
             proxy.flow()
-            await wait_until(no_lease_left(REDIS_URL, redis_prefix), "the cancelled admission's lease is gone")
+            await wait_until(no_lease_left(REDIS_URL, redis_prefix), "the cancelled admission's lease went")
             whole = await limiter.admit("t", "r2", limits, 1000)
             assert whole.allowed and whole.headers["x-ratelimit-remaining-tokens"] == "0", whole
         finally:
