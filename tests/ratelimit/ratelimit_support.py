@@ -138,7 +138,7 @@ class PrivateRedis:
             stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S
         while True:
             try:
                 if client.ping():
