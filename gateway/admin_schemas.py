@@ -42,7 +42,7 @@ Weight = Annotated[
     Meta(
         ge=WEIGHT_MIN,
         le=WEIGHT_MAX,
-        description="fair share relative to other tenants: 2.0 gets twice the service of 1.0 when both wait",
+        description="fair-share weight relative to other tenants",
     ),
 ]
 Status = Literal["active", "suspended"]

@@ -33,7 +33,7 @@ every client reads them back exactly and the Redis limiter's Lua numbers compare
 WEIGHT_MIN = 0.001
 WEIGHT_MAX = 1000.0
 """A fair-share weight is relative to the others: six orders of magnitude between two tenants
-covers every real split while keeping shares far from underflow and overflow."""
+covers every real split while keeping any share computed from them far from under- and overflow."""
 
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 _CONTROL = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")

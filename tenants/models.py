@@ -7,8 +7,8 @@ Priority tiers (`Tenant.priority`, lower is more important; it becomes
     1  standard   the default
     2  batch      background work, scheduled last
 
-`Tenant.weight` is the tenant's fair share relative to the others (2.0 gets twice the
-service of 1.0 when both wait); it reaches `TenantContext.weight`.
+`Tenant.weight` is the tenant's fair-share weight relative to the others (default 1.0);
+it reaches `TenantContext.weight`.
 
 Column types bound what the admin API accepts (`tenants/bounds.py`): per-minute limits
 and the monthly budget are BIGINT, so their range is the schema's, not a 32-bit column's.

@@ -81,7 +81,7 @@ def test_client_strings_of_any_length_or_content_are_stored_bounded(fresh_db_url
         writer.start()
         for i in range(100):
             writer.record(event(good, i))
-        hostile = [
+        hostile: list[dict[str, Any]] = [
             {"model": "x" * 10_000},
             {"model": "gpt\x00nul"},
             {"model": "lone \ud800 surrogate"},
