@@ -50,12 +50,12 @@ TENANT_NAME_CHARS = column_chars(Tenant.__table__.c.name)  # type: ignore[arg-ty
 KEY_NAME_CHARS = column_chars(ApiKey.__table__.c.name)  # type: ignore[arg-type]
 ID_CHARS = column_chars(Tenant.__table__.c.id)  # type: ignore[arg-type]
 
-NAME_PATTERN = (
-    r"^[^\x00-\x1f\x7f\ud800-\udfff]*[^\s\x00-\x1f\x7f\ud800-\udfff][^\x00-\x1f\x7f\ud800-\udfff]*$(?!\n)"
-)
-"""A display name: at least one visible character, no control characters (tab and newline
-included) and no unpaired surrogates. The trailing `(?!\\n)` keeps Python's `$` from matching
-before a final newline; ECMAScript readers of the OpenAPI schema see a no-op there."""
+NAME_PATTERN = r"^[^\x00-\x1f\x7f]*[^\s\x00-\x1f\x7f][^\x00-\x1f\x7f]*$(?!\n)"
+r"""A display name: at least one visible character and no control characters (tab and newline
+included). The trailing `(?!\n)` keeps Python's `$` from matching before a final newline
+(ECMAScript and Rust readers of the OpenAPI schema see a no-op there). Unpaired surrogates
+are left out on purpose: JSON decoding already refuses them, and a surrogate range makes the
+pattern unusable for schema validators that only know Unicode scalar values."""
 
 
 def storable_text(value: str, max_chars: int) -> str:
