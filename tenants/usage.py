@@ -6,7 +6,7 @@ bounded in-memory buffer; a background task writes them in batches every `batch_
 
 What happens to a row that is not written at once:
 
-    a value the column cannot hold    fitted first (`usage_row`: text cut to the column and
+    a value the column cannot hold    fitted first (`fitted`: text cut to the column and
                                       cleaned of NUL/unpaired surrogates, numbers clamped), so
                                       client input cannot make a row unwritable
     a row the database still refuses  isolated by bisecting its batch: the other rows are
@@ -58,8 +58,9 @@ class UsageEvent:
     created_at: dt.datetime = field(default_factory=utcnow)
 
 
-def usage_row(event: UsageEvent) -> dict[str, Any]:
-    """The `usage_records` row of `event`, every value fitted to its column (see tenants/bounds.py)."""
+def fitted(event: UsageEvent) -> UsageEvent:
+    """`event` with every value fitted to its `usage_records` column (see tenants/bounds.py). Done when
+    a record arrives, so the buffer never holds more than a row's worth of what a client sent."""
     text = {
         name: storable_text(getattr(event, name) or "", chars) for name, chars in USAGE_TEXT_CHARS.items()
     }
@@ -67,15 +68,23 @@ def usage_row(event: UsageEvent) -> dict[str, Any]:
         created_at = utc(event.created_at)
     except OverflowError:
         created_at = utcnow()
-    return {
-        **text,
-        "key_id": text["key_id"] if event.key_id is not None else None,
-        "prompt_tokens": clamp_int(event.prompt_tokens),
-        "completion_tokens": clamp_int(event.completion_tokens),
-        "ttft_ms": finite_or_none(event.ttft_ms),
-        "latency_ms": finite_or_none(event.latency_ms) or 0.0,
-        "created_at": created_at,
-    }
+    return UsageEvent(
+        request_id=text["request_id"],
+        tenant_id=text["tenant_id"],
+        key_id=text["key_id"] if event.key_id is not None else None,
+        model=text["model"],
+        prompt_tokens=clamp_int(event.prompt_tokens),
+        completion_tokens=clamp_int(event.completion_tokens),
+        ttft_ms=finite_or_none(event.ttft_ms),
+        latency_ms=finite_or_none(event.latency_ms) or 0.0,
+        status=text["status"],
+        created_at=created_at,
+    )
+
+
+def usage_row(event: UsageEvent) -> dict[str, Any]:
+    """The `usage_records` row of a fitted event."""
+    return {name: getattr(event, name) for name in UsageEvent.__dataclass_fields__}
 
 
 def is_row_fault(exc: BaseException) -> bool:
@@ -116,7 +125,7 @@ class UsageWriterConfig:
     flush_interval_s: float = 0.25
     """Longest a row waits before it is written (the gateway's SLUICE_USAGE_FLUSH_MS / 1000)."""
     max_buffered: int = 100_000
-    """Rows held in memory while the database is behind or down (about 50 MB at most); a row that
+    """Rows held in memory while the database is behind or down (under 100 MB); a row that
     arrives when it is full is dropped and counted as overflowed."""
     retry_initial_s: float = 0.25
     """First wait after a failed write; it doubles with every failure in a row."""
@@ -161,16 +170,25 @@ class UsageWriter:
     def record(self, event: UsageEvent) -> None:
         if len(self._rows) >= self.config.max_buffered:
             self.overflowed += 1
+            # One line per record, as for every request anyway: enough to bill it by hand.
             log.error(
                 "usage buffer full, record dropped",
                 extra={
-                    "request_id": event.request_id,
-                    "tenant_id": event.tenant_id,
+                    "request_id": str(event.request_id)[:100],
+                    "tenant_id": str(event.tenant_id)[:100],
+                    "prompt_tokens": event.prompt_tokens,
+                    "completion_tokens": event.completion_tokens,
                     "buffered": len(self._rows),
                 },
             )
             return
-        self._rows.append(event)
+        try:
+            row = fitted(event)
+        except Exception:  # a malformed event (a bug upstream) must not fail the request recording it
+            self.rejected += 1
+            log.exception("usage record malformed, dropped", extra={"event": repr(event)[:500]})
+            return
+        self._rows.append(row)
         # While the database is failing the retry schedule decides, not the arrival of rows.
         if len(self._rows) >= self.config.batch_size and not self._retry_in_s:
             self._wake.set()
@@ -270,17 +288,17 @@ class UsageWriter:
         assert self._rows[0] is event, "usage rows settle oldest first"
         self._rows.popleft()
         self.rejected += 1
-        # Enough to bill the request by hand; the model is cut short so the log line stays small.
+        # Enough to bill the request by hand (every value is already fitted to its column).
         log.error(
             "usage record refused by the database, dropped",
             extra={
-                "request_id": event.request_id[:100],
-                "tenant_id": event.tenant_id[:100],
+                "request_id": event.request_id,
+                "tenant_id": event.tenant_id,
                 "key_id": event.key_id,
-                "model": event.model[:100],
+                "model": event.model,
                 "prompt_tokens": event.prompt_tokens,
                 "completion_tokens": event.completion_tokens,
-                "status": event.status[:100],
+                "status": event.status,
                 "created_at": str(event.created_at),
                 "error": str(exc)[:500],
             },
