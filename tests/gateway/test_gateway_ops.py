@@ -11,7 +11,7 @@ import httpx
 from gateway_server import SLUICE, Server
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.bench_serve import BenchConfig, run_benchmark
+from benchmarks.serve import BenchConfig, run_benchmark
 
 
 def test_health_and_readiness(server: Server) -> None:

@@ -1,8 +1,8 @@
 """`sluice bench engine`: our engine against Hugging Face `generate`, in one process, on the same requests.
 
 This module owns the engine benchmark: the four workloads, how each side is
-timed, the table and the JSON report. It imports nothing of ours outside
-`engine_native` (transformers only when the baseline runs).
+timed, the table and the JSON report. Of ours it imports only `engine_native`
+(transformers only when the baseline runs).
 
 Scenarios (prompts are random token ids drawn from a seeded RNG, outputs are
 forced to their full length: `ignore_eos` for us, `min_new_tokens` for HF):
@@ -380,7 +380,3 @@ def _finish(report: dict[str, Any], args: argparse.Namespace, ok: bool) -> int:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2)
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

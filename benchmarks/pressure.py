@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from gateway.server_process import ServerProcess
+from benchmarks.server_process import ServerProcess
 
 _WORDS = [
     "river",
@@ -162,7 +162,7 @@ async def _priority(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _run_priority(args: argparse.Namespace, _env: object) -> int:
+def _run_priority(args: argparse.Namespace) -> int:
     options = [
         *_common(args),
         "--max-num-seqs",
@@ -224,7 +224,7 @@ async def _prefix(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _run_prefix(args: argparse.Namespace, _env: object) -> int:
+def _run_prefix(args: argparse.Namespace) -> int:
     figures: dict[str, Any] = {}
     base = [*_common(args), "--max-model-len", "2048", "--max-num-seqs", str(args.concurrency)]
     for label, extra in (("on", []), ("off", ["--no-prefix-caching"])):
@@ -269,7 +269,7 @@ async def _spike(base_url: str, args: argparse.Namespace) -> tuple[Counter[str],
         return outcomes, time.perf_counter() - start
 
 
-def _run_spike(args: argparse.Namespace, _env: object) -> int:
+def _run_spike(args: argparse.Namespace) -> int:
     options = [
         *_common(args),
         "--max-model-len",

@@ -332,7 +332,7 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.set_defaults(func=_main)
 
 
-def _main(args: argparse.Namespace, _env: object) -> int:
+def _main(args: argparse.Namespace) -> int:
     config = BenchConfig(
         base_url=args.base_url,
         model=args.model,

@@ -5,9 +5,9 @@ the same load twice:
 
 (a) direct: `num_streams` requests of `input_len` random prompt tokens and `output_len`
     output tokens (ignore_eos) submitted at once to an in-process `LLMEngine`, configured
-    as `sluice serve` configures it, stepped to completion (`engine_native.bench.direct_streams`);
+    as `sluice serve` configures it, stepped to completion (`benchmarks.engine.direct_streams`);
 (b) gateway: the same load through a real `sluice serve --driver native` subprocess on a free
-    port, driven by `bench_serve.run_benchmark` (completions endpoint, random-word prompts of
+    port, driven by `benchmarks.serve.run_benchmark` (completions endpoint, random-word prompts of
     about `input_len` tokens, ignore_eos, `max_concurrency = num_streams`, streaming), started with
     `--no-auth`: the figure is HTTP + SSE + driver + engine process, without tenant auth, rate limits
     and usage writes (those need a tenant database and a key).
@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gateway.bench_serve import BenchConfig, BenchResult, run_benchmark
-from gateway.server_process import ServerProcess
+from benchmarks.serve import BenchConfig, BenchResult, run_benchmark
+from benchmarks.server_process import ServerProcess
 
 TARGET_RATIO = 0.9
 
@@ -69,7 +69,7 @@ def through_gateway(config: GatewayBenchConfig) -> BenchResult:
 
 
 def run(config: GatewayBenchConfig) -> dict[str, Any]:
-    from engine_native.bench import direct_streams  # lazy: torch loads only for this command
+    from benchmarks.engine import direct_streams  # lazy: torch loads only for this command
 
     direct = direct_streams(config.model, config.num_streams, config.input_len, config.output_len,
                             config.dtype, config.threads, config.seed)
@@ -102,7 +102,7 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.set_defaults(func=_main)
 
 
-def _main(args: argparse.Namespace, _env: object) -> int:
+def _main(args: argparse.Namespace) -> int:
     if args.quick:
         config = GatewayBenchConfig(**{**asdict(QUICK), "dtype": args.dtype, "threads": args.threads,
                                        "model": args.model})
