@@ -13,9 +13,11 @@ from collections.abc import Sequence
 
 from benchmarks import (
     gateway_overhead,
-    pressure,
+    prefix_cache,
+    priority,
     ratelimit_admission,
     serve,
+    spike,
     sweep,
     telemetry_overhead,
     tenancy_overhead,
@@ -29,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine = sub.add_parser("engine", add_help=False, help="our engine vs Hugging Face generate (see --help)")
     engine.set_defaults(func=_engine, engine_args=[])
     gateway_overhead.add_arguments(sub)
-    pressure.add_arguments(sub)  # priority, prefix, spike
+    priority.add_arguments(sub)
+    prefix_cache.add_arguments(sub)
+    spike.add_arguments(sub)
     sweep.add_arguments(sub)
     ratelimit_admission.add_arguments(sub)
     tenancy_overhead.add_arguments(sub)

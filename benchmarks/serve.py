@@ -22,41 +22,7 @@ from typing import Any, Literal
 import httpx
 from tqdm import tqdm
 
-_WORDS = [
-    "time",
-    "person",
-    "year",
-    "way",
-    "day",
-    "thing",
-    "man",
-    "world",
-    "life",
-    "hand",
-    "part",
-    "child",
-    "eye",
-    "woman",
-    "place",
-    "work",
-    "week",
-    "case",
-    "point",
-    "government",
-    "company",
-    "number",
-    "group",
-    "problem",
-    "fact",
-    "river",
-    "stone",
-    "cloud",
-    "light",
-    "music",
-    "garden",
-    "window",
-    "paper",
-]
+from benchmarks.words import WORDS
 
 
 @dataclass(frozen=True)
@@ -139,7 +105,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 def _prompt(rng: random.Random, length: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(max(1, length)))
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, length)))
 
 
 def _body(config: BenchConfig, model: str, prompt: str) -> dict[str, Any]:
