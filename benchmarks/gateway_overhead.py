@@ -7,8 +7,8 @@ the same load twice:
     output tokens (ignore_eos) submitted at once to an in-process `LLMEngine`, configured
     as `sluice serve` configures it, stepped to completion (`benchmarks.engine.direct_streams`);
 (b) gateway: the same load through a real `sluice serve --driver native` subprocess on a free
-    port, driven by `benchmarks.serve.run_benchmark` (completions endpoint, random-word prompts of
-    about `input_len` tokens, ignore_eos, `max_concurrency = num_streams`, streaming), started with
+    port, driven by `benchmarks.serve.run_benchmark` (completions endpoint, vLLM's random prompts of
+    `input_len` tokens, greedy, ignore_eos, `max_concurrency = num_streams`, streaming), started with
     `--no-auth`: the figure is HTTP + SSE + driver + engine process, without tenant auth, rate limits
     and usage writes (those need a tenant database and a key).
 
@@ -60,11 +60,14 @@ def running_server(config: GatewayBenchConfig) -> Iterator[str]:
 
 def through_gateway(config: GatewayBenchConfig) -> BenchResult:
     with running_server(config) as base:
-        load = BenchConfig(base_url=base, endpoint="completions", num_prompts=config.num_streams,
-                           input_len=config.input_len, output_len=config.output_len, ignore_eos=True,
+        # Greedy, like the direct half; prompts of exactly input_len tokens of the served model.
+        load = BenchConfig(base_url=base, endpoint="completions", tokenizer=config.model,
+                           num_prompts=config.num_streams, input_len=config.input_len,
+                           output_len=config.output_len, ignore_eos=True, temperature=0.0,
                            max_concurrency=config.num_streams, seed=config.seed, progress=False)
-        asyncio.run(run_benchmark(BenchConfig(base_url=base, endpoint="completions", num_prompts=2, input_len=8,
-                                              output_len=4, ignore_eos=True, progress=False)))  # warm-up
+        asyncio.run(run_benchmark(BenchConfig(base_url=base, endpoint="completions", tokenizer=config.model,
+                                              num_prompts=2, input_len=8, output_len=4, ignore_eos=True,
+                                              temperature=0.0, progress=False)))  # warm-up
         return asyncio.run(run_benchmark(load))
 
 

@@ -49,6 +49,7 @@ def run_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                 input_len=args.input_len,
                 output_len=args.output_len,
                 ignore_eos=True,
+                temperature=0.0,
                 request_rate=args.request_rate,
                 progress=False,
             )

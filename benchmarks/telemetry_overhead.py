@@ -79,7 +79,7 @@ def _main(args: argparse.Namespace) -> int:
                 config = BenchConfig(
                     base_url=bases[mode], endpoint="completions", num_prompts=args.prompts,
                     input_len=args.input_len, output_len=args.output_len, max_concurrency=args.streams,
-                    ignore_eos=True, seed=r, progress=False,
+                    ignore_eos=True, temperature=0.0, seed=r, progress=False,
                 )
                 result = asyncio.run(run_benchmark(config))
                 rates[mode].append(result.output_throughput)
