@@ -1,4 +1,4 @@
-"""`sluice bench <name>`: the one entry to every benchmark (`sluice bench ...` execs `python -m benchmarks ...`).
+"""`sluice bench <name>`: the one entry to every benchmark (`sluice bench ...` is `python -m benchmarks ...`).
 
 Each module below adds its own subcommand and options with `add_arguments(sub)` and leaves its handler
 in `func`. `engine` is the exception: it loads torch on import, so its options are parsed by the module
@@ -21,6 +21,7 @@ from benchmarks import (
     sweep,
     telemetry_overhead,
     tenancy_overhead,
+    tokenize_stall,
 )
 
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     ratelimit_admission.add_arguments(sub)
     tenancy_overhead.add_arguments(sub)
     telemetry_overhead.add_arguments(sub)
+    tokenize_stall.add_arguments(sub)
     return parser
 
 
