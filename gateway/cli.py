@@ -1,15 +1,18 @@
-"""The `sluice` command: `sluice serve` runs the gateway, `sluice bench serve` load-tests any
-OpenAI-compatible server, `sluice bench engine` / `sluice bench gateway` measure our engine against
-Hugging Face and the gateway's overhead. Defaults come from the environment via `Settings`, read here once."""
+"""The `sluice` command: `sluice serve` runs the gateway; `sluice bench <name>` runs a benchmark.
+
+The benchmarks live in the top-level `benchmarks` package, which no product code imports:
+`sluice bench ...` replaces this process with `python -m benchmarks ...`. Defaults of `serve`
+come from the environment via `Settings`, read here once."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from gateway.settings import Settings
 
@@ -239,40 +242,21 @@ def build_parser(env: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice: multi-tenant LLM inference service")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub, env)
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from gateway.bench_serve import add_arguments as add_bench_serve
-
-    add_bench_serve(bench_sub)
-    from gateway.bench_pressure import add_arguments as add_bench_pressure
-    from gateway.bench_sweep import add_arguments as add_bench_sweep
-
-    add_bench_pressure(bench_sub)  # priority, prefix, spike
-    add_bench_sweep(bench_sub)
-    # Its options live beside the engine (engine_native.bench); main() hands them through unparsed.
-    engine = bench_sub.add_parser("engine", add_help=False, help="our engine vs Hugging Face generate (see --help)")
-    engine.set_defaults(func=_bench_engine, engine_args=[])
-    from gateway.bench_gateway import add_arguments as add_bench_gateway
-
-    add_bench_gateway(bench_sub)
+    # Listed here for `sluice --help`; main() hands everything after `bench` to the benchmarks package.
+    sub.add_parser("bench", add_help=False, help="benchmarks (sluice bench --help lists them)")
     return parser
 
 
-def _bench_engine(args: argparse.Namespace, _env: Settings) -> int:
-    # Lazy: torch and the engine load only for this command.
-    from engine_native.bench import main as bench_engine_main
-
-    return bench_engine_main(args.engine_args)
+def _run_benchmarks(args: list[str]) -> NoReturn:
+    os.execv(sys.executable, [sys.executable, "-m", "benchmarks", *args])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        _run_benchmarks(argv[1:])
     env = Settings.from_env()
-    parser = build_parser(env)
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.func is not _bench_engine:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.func is _bench_engine:
-        args.engine_args = extra
+    args = build_parser(env).parse_args(argv)
     result: int = args.func(args, env)
     return result
 

@@ -1,4 +1,4 @@
-"""`engine_native.bench` runs end to end at --quick sizes and reports every figure (no timing assertions)."""
+"""`sluice bench engine` (`benchmarks.engine`) runs end to end at --quick sizes and reports every figure (no timing assertions)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from engine_native import bench
+from benchmarks import engine as bench
 
 
 def test_quick_bench_reports_every_scenario(tmp_path: Path) -> None:

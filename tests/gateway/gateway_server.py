@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.server_process import ServerProcess
+from benchmarks.server_process import ServerProcess
 
 SLUICE = str(Path(sys.executable).parent / "sluice")
 MAX_MODEL_LEN = 512

@@ -1,9 +1,9 @@
 """Observability overhead: output tokens/s with request metrics + OTLP traces/metrics on vs off.
 
-`python -m observability.bench [--driver native|synthetic] [--rounds 3]` starts two `sluice serve`
+`sluice bench observability [--driver native|synthetic] [--rounds 3]` starts two `sluice serve`
 processes on free ports, identical except that one has SLUICE_TELEMETRY=0 and the other exports
 traces and metrics over OTLP/HTTP to a sink process (which answers 200 and discards). Rounds
-alternate off/on with the same load (`bench_serve.run_benchmark`: 32 concurrent streams,
+alternate off/on with the same load (`benchmarks.serve.run_benchmark`: 32 concurrent streams,
 ignore_eos, completions, streaming) so drift on a shared machine hits both; it prints each round,
 the median ratio on/off and whether it meets the target (>= 0.95). Servers stop at the end.
 """
@@ -20,8 +20,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
-from gateway.bench_serve import BenchConfig, run_benchmark
-from gateway.server_process import ServerProcess, free_port
+from benchmarks.serve import BenchConfig, run_benchmark
+from benchmarks.server_process import ServerProcess, free_port
 
 TARGET = 0.95
 _SINK = """
@@ -47,8 +47,9 @@ def _sink(port: int) -> Iterator[None]:
         proc.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("observability", help="what telemetry costs: output tok/s with it on vs off",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--driver", default="native", choices=["native", "synthetic"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--streams", type=int, default=32)
@@ -56,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--no-otlp", action="store_true", help="telemetry on = request metrics only, no export")
-    args = p.parse_args(argv)
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers below are stopped
     engine = (["--driver", "native", "--max-num-seqs", "32", "--kv-cache-memory", "256MiB", "--max-model-len", "512"]
               if args.driver == "native"
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 config = BenchConfig(
                     base_url=bases[mode], endpoint="completions", num_prompts=args.prompts,
                     input_len=args.input_len, output_len=args.output_len, max_concurrency=args.streams,
-                    ignore_eos=True, seed=r, progress=False,
+                    ignore_eos=True, temperature=0.0, seed=r, progress=False,
                 )
                 result = asyncio.run(run_benchmark(config))
                 rates[mode].append(result.output_throughput)
@@ -90,7 +94,3 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(summary))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,10 +5,10 @@ the same load twice:
 
 (a) direct: `num_streams` requests of `input_len` random prompt tokens and `output_len`
     output tokens (ignore_eos) submitted at once to an in-process `LLMEngine`, configured
-    as `sluice serve` configures it, stepped to completion (`engine_native.bench.direct_streams`);
+    as `sluice serve` configures it, stepped to completion (`benchmarks.engine.direct_streams`);
 (b) gateway: the same load through a real `sluice serve --driver native` subprocess on a free
-    port, driven by `bench_serve.run_benchmark` (completions endpoint, random-word prompts of
-    about `input_len` tokens, ignore_eos, `max_concurrency = num_streams`, streaming), started with
+    port, driven by `benchmarks.serve.run_benchmark` (completions endpoint, vLLM's random prompts of
+    `input_len` tokens, greedy, ignore_eos, `max_concurrency = num_streams`, streaming), started with
     `--no-auth`: the figure is HTTP + SSE + driver + engine process, without tenant auth, rate limits
     and usage writes (those need a tenant database and a key).
 
@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gateway.bench_serve import BenchConfig, BenchResult, run_benchmark
-from gateway.server_process import ServerProcess
+from benchmarks.serve import BenchConfig, BenchResult, run_benchmark
+from benchmarks.server_process import ServerProcess
 
 TARGET_RATIO = 0.9
 
@@ -60,16 +60,19 @@ def running_server(config: GatewayBenchConfig) -> Iterator[str]:
 
 def through_gateway(config: GatewayBenchConfig) -> BenchResult:
     with running_server(config) as base:
-        load = BenchConfig(base_url=base, endpoint="completions", num_prompts=config.num_streams,
-                           input_len=config.input_len, output_len=config.output_len, ignore_eos=True,
+        # Greedy, like the direct half; prompts of exactly input_len tokens of the served model.
+        load = BenchConfig(base_url=base, endpoint="completions", tokenizer=config.model,
+                           num_prompts=config.num_streams, input_len=config.input_len,
+                           output_len=config.output_len, ignore_eos=True, temperature=0.0,
                            max_concurrency=config.num_streams, seed=config.seed, progress=False)
-        asyncio.run(run_benchmark(BenchConfig(base_url=base, endpoint="completions", num_prompts=2, input_len=8,
-                                              output_len=4, ignore_eos=True, progress=False)))  # warm-up
+        asyncio.run(run_benchmark(BenchConfig(base_url=base, endpoint="completions", tokenizer=config.model,
+                                              num_prompts=2, input_len=8, output_len=4, ignore_eos=True,
+                                              temperature=0.0, progress=False)))  # warm-up
         return asyncio.run(run_benchmark(load))
 
 
 def run(config: GatewayBenchConfig) -> dict[str, Any]:
-    from engine_native.bench import direct_streams  # lazy: torch loads only for this command
+    from benchmarks.engine import direct_streams  # lazy: torch loads only for this command
 
     direct = direct_streams(config.model, config.num_streams, config.input_len, config.output_len,
                             config.dtype, config.threads, config.seed)
@@ -102,7 +105,7 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.set_defaults(func=_main)
 
 
-def _main(args: argparse.Namespace, _env: object) -> int:
+def _main(args: argparse.Namespace) -> int:
     if args.quick:
         config = GatewayBenchConfig(**{**asdict(QUICK), "dtype": args.dtype, "threads": args.threads,
                                        "model": args.model})

@@ -1,5 +1,5 @@
 """`sluice bench sweep`: the throughput/latency knob, measured. One `sluice serve` per setting, the same
-load against each (`gateway.bench_serve.run_benchmark`), then output throughput against TTFT p99 drawn
+load against each (`benchmarks.serve.run_benchmark`), then output throughput against TTFT p99 drawn
 into a PNG, plus the figures as JSON.
 
     sluice bench sweep --setting "--max-num-seqs 4" --setting "--max-num-seqs 16" \
@@ -16,8 +16,8 @@ import shlex
 from dataclasses import asdict
 from typing import Any
 
-from gateway.bench_serve import BenchConfig, run_benchmark
-from gateway.server_process import ServerProcess
+from benchmarks.serve import BenchConfig, run_benchmark
+from benchmarks.server_process import ServerProcess
 
 DEFAULT_SETTINGS = [
     "--max-num-seqs 4",
@@ -49,6 +49,7 @@ def run_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                 input_len=args.input_len,
                 output_len=args.output_len,
                 ignore_eos=True,
+                temperature=0.0,
                 request_rate=args.request_rate,
                 progress=False,
             )
@@ -73,7 +74,10 @@ def run_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def plot(points: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:  # an extra, not a dependency of the service
+        raise SystemExit("sluice bench sweep draws with matplotlib: pip install -e '.[bench]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -95,7 +99,7 @@ def plot(points: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def _main(args: argparse.Namespace, _env: object) -> int:
+def _main(args: argparse.Namespace) -> int:
     points = run_sweep(args)
     plot(points, args.out)
     json_path = args.json_out or os.path.splitext(args.out)[0] + ".json"

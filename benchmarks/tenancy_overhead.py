@@ -1,6 +1,6 @@
 """What tenancy costs the gateway: requests/s with auth + rate limits + usage records on vs off.
 
-    python -m tenants.bench [--requests 2000] [--concurrency 32] [--rounds 3] [--redis-url URL]
+    sluice bench tenants [--requests 2000] [--concurrency 32] [--rounds 3] [--redis-url URL]
 
 Starts two `sluice serve --driver synthetic` processes (unthrottled engine, so the
 gateway is the bottleneck): one with `--no-auth`, one with auth on (SQLite in a
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from gateway.server_process import ServerProcess
+from benchmarks.server_process import ServerProcess
 
 ADMIN_KEY = "bench-admin-key"
 BODY = {"messages": [{"role": "user", "content": "hello bench"}], "max_tokens": 8}
@@ -73,14 +72,18 @@ async def _load(base: str, key: str | None, requests: int, concurrency: int) -> 
     return requests / elapsed
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tenants.bench", description=__doc__.split("\n\n")[0])
+def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("tenants", help="what auth + rate limits + usage records cost the gateway",
+                            description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="requests per round")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="rounds per configuration, alternating")
     parser.add_argument("--redis-url", default=None, help="rate limits in Redis (default: in-process)")
     parser.add_argument("--database-url", default=None, help="tenant database (default: SQLite, temp dir)")
-    args = parser.parse_args(argv)
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as data_dir:
         env = {"SLUICE_ADMIN_KEY": ADMIN_KEY, "SLUICE_DATA_DIR": data_dir}
         env.update({"REDIS_URL": args.redis_url} if args.redis_url else {})
@@ -113,7 +116,3 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fmt(values: list[float]) -> str:
     return ", ".join(f"{v:.0f}" for v in values)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """`sluice bench engine`: our engine against Hugging Face `generate`, in one process, on the same requests.
 
 This module owns the engine benchmark: the four workloads, how each side is
-timed, the table and the JSON report. It imports nothing of ours outside
-`engine_native` (transformers only when the baseline runs).
+timed, the table and the JSON report. Of ours it imports only `engine_native`
+(transformers only when the baseline runs).
 
 Scenarios (prompts are random token ids drawn from a seeded RNG, outputs are
 forced to their full length: `ignore_eos` for us, `min_new_tokens` for HF):
@@ -18,6 +18,10 @@ forced to their full length: `ignore_eos` for us, `min_new_tokens` for HF):
 
 "ratio" is always ours/HF as a speed-up (>1 = we are faster): tok/s divided, TTFT inverted.
 Both sides run greedy, are warmed up first, and share `torch.set_num_threads(--threads)`.
+
+Every figure is measured in this process, stepping `LLMEngine` directly: no HTTP, no SSE, no engine
+process, no gateway. It is not what a client of `sluice serve` sees; `sluice bench serve` against a
+running server measures that (the run says so at its start and end, and in the JSON).
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ from engine_native.model.loader import load_model
 from engine_native.sampling_params import SamplingParams
 
 CHAT_QUESTION = "What is the capital of France?"
+IN_PROCESS_NOTE = (
+    "IN-PROCESS figures: LLMEngine stepped directly in this process (no HTTP, SSE, engine process or gateway).\n"
+    "They are NOT what a client of `sluice serve` sees; for that, run `sluice bench serve` against a server."
+)
 _FIRST_TOKEN_ID = 1000  # random prompts stay clear of the special tokens at the low ids
 
 
@@ -343,8 +351,10 @@ def run(args: argparse.Namespace) -> int:
     args.model = args.model or bundled_model_path()
     torch.set_num_threads(args.threads)
     sizes = QUICK if args.quick else FULL
+    print(IN_PROCESS_NOTE, flush=True)
     report: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
-                              "quick": args.quick, "load_average_start": os.getloadavg()}
+                              "quick": args.quick, "measured": "in-process, not through the server",
+                              "load_average_start": os.getloadavg()}
     if args.compare_dtypes:
         report["compare_dtypes"] = compare_dtypes(args, sizes)
         return _finish(report, args, ok=True)
@@ -376,11 +386,8 @@ def run(args: argparse.Namespace) -> int:
 def _finish(report: dict[str, Any], args: argparse.Namespace, ok: bool) -> int:
     report["load_average_end"] = os.getloadavg()
     print(f"load average (1/5/15 min) at the end: {report['load_average_end']} -- figures measured under that load")
+    print(IN_PROCESS_NOTE)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=2)
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

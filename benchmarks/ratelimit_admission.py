@@ -1,6 +1,6 @@
 """Admission latency: the in-process limiter against the Redis one, in one process.
 
-    python -m ratelimit.bench [--n 2000] [--redis-url redis://127.0.0.1:6379/15]
+    sluice bench ratelimit [--n 2000] [--redis-url redis://127.0.0.1:6379/15]
 
 Each admission is awaited alone (the latency a request sees before dispatch),
 then released, over 100 tenants with limits high enough that every one passes,
@@ -54,7 +54,7 @@ def report(name: str, what: str, values: list[float]) -> None:
     )
 
 
-async def main(n: int, redis_url: str) -> None:
+async def compare(n: int, redis_url: str) -> None:
     prefix = f"sluice:bench:{uuid.uuid4().hex[:8]}:"
     memory_admits, memory_releases = await measure(InProcessRateLimiter(), n)
     limiter = RedisRateLimiter(redis_url, key_prefix=prefix, timeout_s=1.0)
@@ -76,11 +76,14 @@ async def main(n: int, redis_url: str) -> None:
     print(f"redis / in-process admit p50: {ratio:.0f}x")
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--n", type=int, default=2000)
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
-    args = parser.parse_args()
-    asyncio.run(main(args.n, args.redis_url))
+def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("ratelimit", help="admission latency: in-process limiter vs Redis",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=2000)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    asyncio.run(compare(args.n, args.redis_url))
+    return 0
