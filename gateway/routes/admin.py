@@ -27,6 +27,7 @@ from gateway.admin_schemas import (
     UsageOut,
 )
 from gateway.auth import ADMIN_SECURITY, TENANT_SECURITY
+from gateway.openapi import error_responses
 from gateway.schemas import ModelList, ModelObject
 from gateway.tenancy import Tenancy
 from tenants.auth import TenantContext
@@ -45,7 +46,10 @@ def _tenants(request: Request) -> TenantService:
     return tenancy.tenants
 
 
-@post("/admin/tenants", status_code=201, security=ADMIN_SECURITY, tags=["admin"])
+@post(
+    "/admin/tenants", status_code=201, security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 408, 409, 413),
+)
 async def create_tenant(
     request: Request, data: JSONBody[TenantCreate], admin: NamedDependency[None]
 ) -> TenantOut:
@@ -60,17 +64,23 @@ async def create_tenant(
     return TenantOut.of(await _tenants(request).create_tenant(spec))
 
 
-@get("/admin/tenants", security=ADMIN_SECURITY, tags=["admin"])
+@get("/admin/tenants", security=ADMIN_SECURITY, tags=["admin"], responses=error_responses(401, 403))
 async def list_tenants(request: Request, admin: NamedDependency[None]) -> TenantList:
     return TenantList([TenantOut.of(t) for t in await _tenants(request).list_tenants()])
 
 
-@get("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"])
+@get(
+    "/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404),
+)
 async def get_tenant(request: Request, tenant_id: FromPath[str], admin: NamedDependency[None]) -> TenantOut:
     return TenantOut.of(await _tenants(request).get_tenant(tenant_id))
 
 
-@patch("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"])
+@patch(
+    "/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404, 408, 409, 413),
+)
 async def update_tenant(
     request: Request, tenant_id: FromPath[str], data: JSONBody[TenantUpdate], admin: NamedDependency[None]
 ) -> TenantOut:
@@ -78,13 +88,19 @@ async def update_tenant(
     return TenantOut.of(await _tenants(request).update_tenant(tenant_id, data.changes()))
 
 
-@delete("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"])
+@delete(
+    "/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404),
+)
 async def delete_tenant(request: Request, tenant_id: FromPath[str], admin: NamedDependency[None]) -> None:
     """Deletes the tenant and its keys; its usage records stay (billing history)."""
     await _tenants(request).delete_tenant(tenant_id)
 
 
-@post("/admin/tenants/{tenant_id:str}/keys", status_code=201, security=ADMIN_SECURITY, tags=["admin"])
+@post(
+    "/admin/tenants/{tenant_id:str}/keys", status_code=201, security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404, 408, 413),
+)
 async def create_key(
     request: Request, tenant_id: FromPath[str], data: JSONBody[KeyCreate], admin: NamedDependency[None]
 ) -> KeyCreated:
@@ -94,18 +110,27 @@ async def create_key(
     return KeyCreated(**{f: getattr(out, f) for f in out.__struct_fields__}, key=secret)
 
 
-@get("/admin/tenants/{tenant_id:str}/keys", security=ADMIN_SECURITY, tags=["admin"])
+@get(
+    "/admin/tenants/{tenant_id:str}/keys", security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404),
+)
 async def list_keys(request: Request, tenant_id: FromPath[str], admin: NamedDependency[None]) -> KeyList:
     return KeyList([KeyOut.of(k) for k in await _tenants(request).list_keys(tenant_id)])
 
 
-@delete("/admin/keys/{key_id:str}", status_code=200, security=ADMIN_SECURITY, tags=["admin"])
+@delete(
+    "/admin/keys/{key_id:str}", status_code=200, security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404),
+)
 async def revoke_key(request: Request, key_id: FromPath[str], admin: NamedDependency[None]) -> KeyOut:
     """Revokes at once in the database; every replica refuses the key within the auth cache TTL (1 s)."""
     return KeyOut.of(await _tenants(request).revoke_key(key_id))
 
 
-@get("/admin/tenants/{tenant_id:str}/usage", security=ADMIN_SECURITY, tags=["admin"])
+@get(
+    "/admin/tenants/{tenant_id:str}/usage", security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404),
+)
 async def tenant_usage(
     request: Request,
     tenant_id: FromPath[str],
@@ -124,7 +149,7 @@ def _own_tenant(caller: TenantContext | None) -> str:
     return caller.tenant_id
 
 
-@get("/v1/usage", security=TENANT_SECURITY, tags=["usage"])
+@get("/v1/usage", security=TENANT_SECURITY, tags=["usage"], responses=error_responses(400, 401, 403))
 async def own_usage(
     request: Request,
     caller: NamedDependency[TenantContext | None],
@@ -136,7 +161,10 @@ async def own_usage(
     return UsageOut.of(await _tenants(request).usage(_own_tenant(caller), start, end, group_by))
 
 
-@get("/admin/tenants/{tenant_id:str}/latency", security=ADMIN_SECURITY, tags=["admin"])
+@get(
+    "/admin/tenants/{tenant_id:str}/latency", security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404),
+)
 async def tenant_latency(
     request: Request,
     tenant_id: FromPath[str],
@@ -148,7 +176,7 @@ async def tenant_latency(
     return LatencyOut.of(await _tenants(request).latency(tenant_id, start, end, group_by))
 
 
-@get("/v1/usage/latency", security=TENANT_SECURITY, tags=["usage"])
+@get("/v1/usage/latency", security=TENANT_SECURITY, tags=["usage"], responses=error_responses(400, 401, 403))
 async def own_latency(
     request: Request,
     caller: NamedDependency[TenantContext | None],
@@ -160,7 +188,7 @@ async def own_latency(
     return LatencyOut.of(await _tenants(request).latency(_own_tenant(caller), start, end, group_by))
 
 
-@get("/admin/models", security=ADMIN_SECURITY, tags=["admin"])
+@get("/admin/models", security=ADMIN_SECURITY, tags=["admin"], responses=error_responses(401, 403))
 async def admin_models(driver: NamedDependency[Driver], admin: NamedDependency[None]) -> ModelList:
     """What /v1/models lists, for the admin key (which is no tenant's and so cannot call /v1)."""
     return ModelList(
