@@ -8,13 +8,12 @@ import json
 import re
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from edge_server import HANG_S, METRICS_TOKEN, EdgeServer, admin_headers, start_edge_server
+from edge_server import HANG_S, METRICS_TOKEN, EdgeServer, admin_headers
 from litestar.testing import TestClient
 
 from drivers.registry import create_driver
@@ -23,11 +22,6 @@ from gateway.settings import Settings
 from observability.metrics import TenantLabel, TenantLabels
 
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeServer]:
-    yield from start_edge_server(tmp_path_factory.mktemp("edge-db"), SLUICE_METRICS_TENANT_LABEL="name")
 
 
 def chat(edge: EdgeServer, **body: Any) -> httpx.Response:
