@@ -27,14 +27,9 @@ from tenants.db import create_postgres_database, drop_postgres_database
 SCHEMATHESIS = str(Path(sys.executable).parent / "st")
 EXAMPLES = os.environ.get("SLUICE_FUZZ_EXAMPLES", "25")
 SEED = os.environ.get("SLUICE_FUZZ_SEED", "9")
-CHECKS = ",".join(
-    [
-        "not_a_server_error",
-        "status_code_conformance",
-        "content_type_conformance",
-        "response_headers_conformance",
-        "response_schema_conformance",
-    ]
+CHECKS = (
+    "not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
+    "response_schema_conformance"
 )
 ADMIN_PATHS = "^/(admin|metrics)"
 PG_SERVER = os.environ.get("SLUICE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -65,7 +60,7 @@ def fuzz(server: EdgeServer, key: str, paths: list[str], workdir: Path) -> None:
         *paths,
     ]
     # cwd: schemathesis keeps its example database and reports in the working directory
-    result = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(command, check=False, cwd=workdir, capture_output=True, text=True, timeout=1200)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-30_000:]
     # An operation that only ever saw 401/403 was not fuzzed at all.
