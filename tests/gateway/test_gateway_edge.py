@@ -8,12 +8,14 @@ import json
 import re
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from edge_server import HANG_S, METRICS_TOKEN, EdgeServer, admin_headers
+from gateway_server import Server, start_server
 from litestar.testing import TestClient
 
 from drivers.registry import create_driver
@@ -155,6 +157,27 @@ def test_a_body_that_stops_arriving_gets_408_and_the_connection_closes(edge: Edg
 
 
 ADMIN_KEY_HEADER = admin_headers()["authorization"]
+
+
+@pytest.fixture(scope="module")
+def slow_with_short_body_deadline() -> Iterator[Server]:
+    """20 tokens/s and a 1 s body deadline: a 40-token answer takes twice the deadline."""
+    yield from start_server(
+        "--synthetic-tokens-per-second", "20", "--synthetic-ttft-ms", "1", env={"SLUICE_BODY_TIMEOUT_S": "1"}
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_body_deadline_never_cuts_a_generation(slow_with_short_body_deadline: Server, stream: bool) -> None:
+    """Once the body is in, the handler keeps listening for a disconnect; that wait has no deadline."""
+    body = {"prompt": "hi", "max_tokens": 40, "ignore_eos": True, "stream": stream}
+    resp = httpx.post(f"{slow_with_short_body_deadline.v1}/completions", json=body, timeout=HANG_S)
+    assert resp.status_code == 200, resp.text
+    if stream:
+        assert resp.text.rstrip().endswith("data: [DONE]")
+        assert '"finish_reason":"length"' in resp.text
+    else:
+        assert resp.json()["usage"]["completion_tokens"] == 40
 
 
 # -- the console's static files --------------------------------------------------------------------
