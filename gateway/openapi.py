@@ -105,7 +105,7 @@ def _to_litestar(node: dict[str, Any]) -> Schema:
     for key, value in node.items():
         if key == "properties":
             value = {name: _to_litestar(sub) for name, sub in value.items()}
-        elif key == "items" or key == "additionalProperties" and isinstance(value, dict):
+        elif key == "items" or (key == "additionalProperties" and isinstance(value, dict)):
             value = _to_litestar(value)
         elif key in _NESTED_LISTS:
             value = [_to_litestar(sub) for sub in value]
