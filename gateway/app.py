@@ -10,7 +10,7 @@ import signal
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 
-from litestar import Litestar
+from litestar import Litestar, Request
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
@@ -18,16 +18,19 @@ from litestar.types import ControllerRouterHandler, Message, Scope
 
 from drivers.base import Driver
 from gateway.auth import SECURITY_COMPONENTS, provide_admin, provide_caller
+from gateway.body_timeout import BodyReadDeadline
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.metrics import GatewayMetrics
 from gateway.routes.admin import ADMIN_ROUTES
-from gateway.routes.health import HEALTH_ROUTES
+from gateway.routes.health import HEALTH_ROUTES, METRICS_SECURITY_COMPONENTS
 from gateway.routes.nodes import NODE_DEPENDENCIES, NODE_ROUTES
 from gateway.routes.openai import OPENAI_ROUTES
 from gateway.service import CompletionService
 from gateway.settings import Settings
 from gateway.tenancy import FirstStartKeys, Tenancy
 from observability.hub import Observability, ObservabilityConfig
+from observability.metrics import TenantLabel
+from tenants.auth import TenantContext
 from web import console_router
 
 log = logging.getLogger("sluice.gateway")
@@ -42,6 +45,7 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
             otlp_endpoint=settings.otlp_endpoint,
             service_name=settings.service_name,
             tenant_label_cap=settings.metrics_tenant_cap,
+            tenant_label=TenantLabel(settings.metrics_tenant_label),
         ),
         metrics.registry,
         driver.nodes,
@@ -81,6 +85,12 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
             state["tenancy"] = None
             await tenancy.stop()
 
+    async def provide_labelled_caller(request: Request) -> TenantContext | None:
+        caller = await provide_caller(request)
+        if caller is not None:  # metrics may label the tenant by name: learn it before its request counts
+            observability.metrics.tenants.learn(caller.tenant_id, caller.tenant_name)
+        return caller
+
     async def count_response(message: Message, scope: Scope) -> None:
         # before_send sees every response, including 404s for unknown routes and error responses.
         if message["type"] == "http.response.start":
@@ -96,17 +106,21 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
             "service": Provide(lambda: service, use_cache=True, sync_to_thread=False),
             "driver": Provide(lambda: driver, use_cache=True, sync_to_thread=False),
             "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False),
-            "caller": Provide(provide_caller),
+            "caller": Provide(provide_labelled_caller),
             "admin": Provide(provide_admin),
             **NODE_DEPENDENCIES,
         },
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[driver_lifespan, *([tenancy_lifespan] if settings.auth else [])],
         before_send=[count_response],
+        middleware=[BodyReadDeadline(settings.body_timeout_s)],
         request_max_body_size=settings.max_body_bytes,
         state=state,
         openapi_config=OpenAPIConfig(
-            title="Sluice", version="0.1.0", path="/schema", components=[SECURITY_COMPONENTS]
+            title="Sluice",
+            version="0.1.0",
+            path="/schema",
+            components=[SECURITY_COMPONENTS, METRICS_SECURITY_COMPONENTS],
         ),
         logging_config=None,  # the CLI configures logging; Litestar must not add its own handlers
     )

@@ -5,7 +5,9 @@
 Driver errors (the typed taxonomy in `drivers.base`) and tenant errors (auth,
 limits, admin: `tenants.errors`) map by class; Litestar's
 own HTTP errors (unknown route, wrong method, body too large) keep their status
-but get our body; anything else is a bug: 500, logged with the request id.
+but get our body; a body that does not arrive in time is 408 and closes the
+connection; a body nested too deep to decode is 400; anything else is a bug:
+500, logged with the request id.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from drivers.base import (
     ModelNotFoundError,
     OverloadedError,
 )
+from gateway.body_timeout import BodyTimeoutError
 from gateway.fanout import LifetimeExceededError
 from gateway.schemas import ErrorBody, ErrorDetail
 from tenants.errors import (
@@ -48,6 +51,7 @@ _HTTP_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "method_not_allowed_error",
+    408: "timeout_error",
     413: "request_too_large_error",
 }
 _FIELD_PATH = re.compile(r"at `\$\.?([^`]*)`")
@@ -176,6 +180,25 @@ def _on_timeout(request: Request, exc: LifetimeExceededError) -> Response[bytes]
     )
 
 
+def _on_body_timeout(request: Request, exc: BodyTimeoutError) -> Response[bytes]:
+    # The rest of the body may still arrive: the connection cannot carry another request.
+    return error_response(
+        408, str(exc), "timeout_error", code="body_timeout", headers={"connection": "close"},
+        request_id=request_id_of(request),
+    )
+
+
+def _on_recursion(request: Request, exc: RecursionError) -> Response[bytes]:
+    # msgspec gives up on JSON nested deeper than the interpreter's recursion limit, even in a field
+    # nobody reads, with "maximum recursion depth exceeded while deserializing ..."; whether our
+    # handler or Litestar (the admin API's bodies) decoded it, the body is at fault.
+    if "deserializ" in str(exc):
+        return error_response(
+            400, "The JSON body is nested too deeply", "invalid_request_error", request_id=request_id_of(request)
+        )
+    return _on_unexpected(request, exc)
+
+
 def _on_unexpected(request: Request, exc: Exception) -> Response[bytes]:
     rid = request_id_of(request)
     log.exception("unhandled error", extra={"request_id": rid, "path": request.url.path}, exc_info=exc)
@@ -187,5 +210,7 @@ EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     TenantError: _on_tenant_error,
     HTTPException: _on_http_error,
     LifetimeExceededError: _on_timeout,
+    BodyTimeoutError: _on_body_timeout,
+    RecursionError: _on_recursion,
     Exception: _on_unexpected,
 }

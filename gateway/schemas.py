@@ -2,8 +2,15 @@
 
 Unknown request fields are ignored (msgspec's default), as OpenAI clients send
 extras freely. Range checks that msgspec can express live here as `Meta`
-constraints, so a decode error already names the offending field; checks that
-need the model (context length) live in `gateway.validation`.
+constraints, so a decode error already names the offending field and the OpenAPI
+schema states the same bounds; checks that need the model (context length,
+vocabulary) live in `gateway.validation` and the drivers.
+
+Every number and string a client sends is bounded here, before it reaches the
+engine pipe (msgpack carries integers in [-2**63, 2**64)), a torch.Generator or
+a database column: an unbounded field is a 500 waiting to happen. JSON has no
+NaN or Infinity, and a float literal too large for a double is refused by the
+decoder, so every float that passes is finite.
 """
 
 from __future__ import annotations
@@ -13,24 +20,47 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TEXT_CHARS = 1 << 22
+"""Longest prompt, message content or suffix, in characters; the body cap (SLUICE_MAX_BODY_BYTES,
+1 MiB by default) usually refuses such a body first."""
+MAX_MESSAGES = 4096
+MAX_PROMPT_ITEMS = 1 << 20
+"""Longest prompt list: token ids, or prompts of a batch."""
+MAX_STOP_CHARS = 256
+"""Longest stop string; a stream holds back this many characters while it might be a stop string's start."""
+MAX_MODEL_NAME_CHARS = 200
+"""Model names are stored with each usage record (a VARCHAR(200) column)."""
+MAX_NAME_CHARS = 256
+"""A message's `name` and the end-user id `user`."""
+
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-StopList = Annotated[list[str], Meta(max_length=4)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
+Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
+StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
+StopList = Annotated[list[StopString], Meta(max_length=4)]
 N = Annotated[int, Meta(ge=1, le=8)]
-MaxTokens = Annotated[int, Meta(ge=1)]
+MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+"""A signed 64-bit seed. Choice i of a request samples with seed + i: at most 2**63 - 1 plus the number
+of choices, inside what torch.Generator.manual_seed and msgpack take (below 2**64)."""
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+"""Below 2**31; whether the model's vocabulary has it is checked by the driver."""
 
 
 class TextPart(msgspec.Struct, frozen=True):
-    text: str
+    text: Text
     type: Literal["text"] = "text"
 
 
 class Message(msgspec.Struct, frozen=True):
     role: Role
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | Annotated[list[TextPart], Meta(max_length=MAX_MESSAGES)] | None = None
+    name: Name | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -47,21 +77,21 @@ class StreamOptions(msgspec.Struct, frozen=True):
 class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     """Fields chat and legacy completions share."""
 
-    model: str | None = None  # None: the first served model
+    model: Annotated[str, Meta(max_length=MAX_MODEL_NAME_CHARS)] | None = None  # None: the first served model
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    stop: str | StopList | None = None
-    seed: int | None = None
+    stop: StopString | StopList | None = None
+    seed: Seed | None = None
     n: N = 1
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None  # accepted for OpenAI compatibility; not used
     ignore_eos: bool = False  # vLLM extension, used by benchmarks
     # vLLM extension: lower = more important. With auth it can only lower importance below the tenant's
     # tier (the larger of the two wins); with --no-auth it is used as is. Default: the tier (0 without auth).
@@ -74,7 +104,7 @@ class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ChatCompletionRequest(_SamplingFields, frozen=True, kw_only=True):
-    messages: Annotated[list[Message], Meta(min_length=1)]
+    messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
@@ -82,14 +112,14 @@ class ChatCompletionRequest(_SamplingFields, frozen=True, kw_only=True):
 
 # A completion prompt: text, token ids, or a batch of either. msgspec cannot tell list[int] from
 # list[str] in a union, so elements are checked in `gateway.validation`.
-PromptElement = str | int | list[int]
+PromptElement = Text | TokenId | Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_ITEMS)]
 
 
 class CompletionRequest(_SamplingFields, frozen=True, kw_only=True):
-    prompt: str | Annotated[list[PromptElement], Meta(min_length=1)]
+    prompt: Text | Annotated[list[PromptElement], Meta(min_length=1, max_length=MAX_PROMPT_ITEMS)]
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 # -- responses -----------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ class Settings:
     """Model path for the native driver; None lets the driver pick its bundled model (SLUICE_MODEL)."""
     max_body_bytes: int = 1 << 20
     """Largest request body accepted; bigger bodies get 413 (SLUICE_MAX_BODY_BYTES)."""
+    body_timeout_s: float = 30.0
+    """Longest a client may take to send a request's whole body; slower ones get 408 and the connection
+    is closed (SLUICE_BODY_TIMEOUT_S)."""
     max_waiting: int = 256
     """Requests the driver may queue beyond those running before it sheds load with 503 (SLUICE_MAX_WAITING)."""
     max_waiting_tokens: int = 1 << 18
@@ -70,6 +73,12 @@ class Settings:
     metrics_tenant_cap: int = 100
     """Tenants that get their own label value on per-tenant counters; later ones are "other"
     (SLUICE_METRICS_TENANT_CAP)."""
+    metrics_tenant_label: str = "id"
+    """What the `tenant` label of per-tenant counters shows: "id", "name" (the name given in the admin
+    API) or "none" (one series for all tenants) (SLUICE_METRICS_TENANT_LABEL)."""
+    metrics_token: str | None = None
+    """Bearer token that may read /metrics besides the admin key (SLUICE_METRICS_TOKEN). Unset: only the
+    admin key, or, on a --no-auth server, anyone. Never logged."""
     telemetry: bool = True
     """Request metrics and traces (SLUICE_TELEMETRY=0 turns them off: the overhead benchmark's baseline).
     HTTP counters and per-node gauges stay."""
@@ -87,6 +96,7 @@ class Settings:
             driver=e.get("SLUICE_DRIVER", d.driver),
             model=e.get("SLUICE_MODEL") or d.model,
             max_body_bytes=int(e.get("SLUICE_MAX_BODY_BYTES", d.max_body_bytes)),
+            body_timeout_s=float(e.get("SLUICE_BODY_TIMEOUT_S", d.body_timeout_s)),
             max_waiting=int(e.get("SLUICE_MAX_WAITING", d.max_waiting)),
             max_waiting_tokens=int(e.get("SLUICE_MAX_WAITING_TOKENS", d.max_waiting_tokens)),
             load_shedding=e.get("SLUICE_LOAD_SHEDDING", "1").lower() not in ("0", "false", "off", "no"),
@@ -109,6 +119,8 @@ class Settings:
             otlp_endpoint=e.get("OTEL_EXPORTER_OTLP_ENDPOINT") or d.otlp_endpoint,
             service_name=e.get("OTEL_SERVICE_NAME") or d.service_name,
             metrics_tenant_cap=int(e.get("SLUICE_METRICS_TENANT_CAP", d.metrics_tenant_cap)),
+            metrics_tenant_label=e.get("SLUICE_METRICS_TENANT_LABEL", d.metrics_tenant_label).lower(),
+            metrics_token=e.get("SLUICE_METRICS_TOKEN") or d.metrics_token,
             telemetry=e.get("SLUICE_TELEMETRY", "1").lower() not in ("0", "false", "off", "no"),
             log_prompts=e.get("SLUICE_LOG_PROMPTS", "0").lower() in ("1", "true", "on", "yes"),
         )
@@ -119,6 +131,10 @@ class Settings:
         if self.ratelimit_fail_mode not in ("open", "closed"):
             raise ValueError(
                 f"SLUICE_RATELIMIT_FAIL_MODE must be open or closed, not {self.ratelimit_fail_mode!r}"
+            )
+        if self.metrics_tenant_label not in ("id", "name", "none"):
+            raise ValueError(
+                f"SLUICE_METRICS_TENANT_LABEL must be id, name or none, not {self.metrics_tenant_label!r}"
             )
 
     def __repr__(self) -> str:  # keep secrets out of logs

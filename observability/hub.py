@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from drivers.base import GenerationRequest, NodesReport
-from observability.metrics import NodeCollector, OtlpMirror, ServingMetrics
+from observability.metrics import NodeCollector, OtlpMirror, ServingMetrics, TenantLabel
 from observability.timeline import ChoiceTimeline, RequestTimeline
 from observability.tracing import RequestTracer
 
@@ -26,6 +26,8 @@ class ObservabilityConfig:
     """OTel resource service.name (OTEL_SERVICE_NAME)."""
     tenant_label_cap: int = 100
     """Tenants that get their own label value on counters; later ones count as "other"."""
+    tenant_label: TenantLabel = TenantLabel.ID
+    """What that label value is: the tenant's id, its name, or "none" for all."""
     metrics_export_interval_s: float = 10.0
     """How often OTLP metrics are pushed."""
 
@@ -42,7 +44,7 @@ class Observability:
         mirror = None
         if config.otlp_endpoint:
             mirror = OtlpMirror(config.otlp_endpoint, nodes, config.service_name, config.metrics_export_interval_s)
-        self.metrics = ServingMetrics(registry, config.tenant_label_cap, mirror)
+        self.metrics = ServingMetrics(registry, config.tenant_label_cap, mirror, config.tenant_label)
         registry.register(NodeCollector(nodes))
         self.tracer = tracer or RequestTracer.create(config.otlp_endpoint, config.service_name)
 

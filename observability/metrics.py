@@ -7,13 +7,15 @@ dots become underscores, the unit a suffix): gen_ai.server.time_to_first_token -
 Everything goes into the app's prometheus registry (`GET /metrics`); with an OTLP endpoint the
 same observations also go to an OpenTelemetry meter (`OtlpMirror`), and only then.
 
-Cardinality: tenant ids appear on counters only, and only the first `tenant_cap` tenants seen get
-their own label value; later ones are "other".
+Cardinality: tenants appear on counters only, and only the first `tenant_cap` tenants seen get
+their own label value; later ones are "other". What the value is, the tenant's id, its name or
+nothing ("none" for all), is the operator's choice (`TenantLabel`, SLUICE_METRICS_TENANT_LABEL).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from enum import StrEnum
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -31,27 +33,56 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 LABELS = ("model", "node", "priority", "prompt_bucket")
 
 
+class TenantLabel(StrEnum):
+    """What the `tenant` label of the per-tenant counters shows."""
+
+    ID = "id"  # the tenant id from the admin API
+    NAME = "name"  # the tenant's name, as the admin API last showed it to the gateway
+    NONE = "none"  # nothing: every request counts under tenant="none"
+
+
 class TenantLabels:
-    """Bounded tenant label values: the first `cap` tenants seen keep their id, the rest are "other"."""
+    """Bounded tenant label values: the first `cap` tenants seen get their own, the rest are "other".
 
-    def __init__(self, cap: int) -> None:
+    Requests carry tenant ids; names are `learn`ed when a caller authenticates (before its request
+    can be counted), and a rename shows from the tenant's next request on.
+    """
+
+    def __init__(self, cap: int, mode: TenantLabel = TenantLabel.ID) -> None:
         self.cap = cap
+        self.mode = mode
         self._seen: set[str] = set()
+        self._names: dict[str, str] = {}
 
-    def __call__(self, tenant: str | None) -> str:
-        if tenant is None:
-            return "none"
+    def _admit(self, tenant: str) -> bool:
         if tenant in self._seen:
-            return tenant
+            return True
         if len(self._seen) < self.cap:
             self._seen.add(tenant)
-            return tenant
-        return "other"
+            return True
+        return False
+
+    def learn(self, tenant: str, name: str) -> None:
+        if self.mode is TenantLabel.NAME and self._admit(tenant):
+            self._names[tenant] = name
+
+    def __call__(self, tenant: str | None) -> str:
+        if tenant is None or self.mode is TenantLabel.NONE:
+            return "none"
+        if self.mode is TenantLabel.NAME:
+            return self._names.get(tenant, "other")
+        return tenant if self._admit(tenant) else "other"
+
+    @property
+    def otel_attribute(self) -> str | None:
+        """The OTLP attribute that carries the label; None: none is sent."""
+        return {TenantLabel.ID: "sluice.tenant.id", TenantLabel.NAME: "sluice.tenant.name"}.get(self.mode)
 
 
 class ServingMetrics:
-    def __init__(self, registry: CollectorRegistry, tenant_cap: int = 100, mirror: OtlpMirror | None = None):
-        self.tenants = TenantLabels(tenant_cap)
+    def __init__(self, registry: CollectorRegistry, tenant_cap: int = 100, mirror: OtlpMirror | None = None,
+                 tenant_label: TenantLabel = TenantLabel.ID):
+        self.tenants = TenantLabels(tenant_cap, tenant_label)
         self.mirror = mirror
 
         def hist(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = LABELS) -> Histogram:
@@ -105,7 +136,8 @@ class ServingMetrics:
         self.tenant_tokens.labels(model, tenant, "input").inc(prompt_total)
         self.tenant_tokens.labels(model, tenant, "output").inc(completion_total)
         if self.mirror is not None:
-            self.mirror.observe_request(t, tenant, outcome, prompt_total, completion_total)
+            self.mirror.observe_request(t, self.tenants.otel_attribute, tenant, outcome, prompt_total,
+                                        completion_total)
 
 
 class NodeCollector(Collector):
@@ -199,13 +231,14 @@ class OtlpMirror:
         if c.arrival is not None and c.scheduled is not None:
             self.queue.record(max(0.0, c.scheduled - c.arrival), attrs)
 
-    def observe_request(self, t: RequestTimeline, tenant: str, outcome: str, prompt: int, completion: int) -> None:
+    def observe_request(self, t: RequestTimeline, tenant_attribute: str | None, tenant: str, outcome: str,
+                        prompt: int, completion: int) -> None:
         self.token_usage.record(prompt, {"gen_ai.request.model": t.model, "gen_ai.token.type": "input"})
         self.token_usage.record(completion, {"gen_ai.request.model": t.model, "gen_ai.token.type": "output"})
-        self.requests.add(1, {"gen_ai.request.model": t.model, "sluice.tenant.id": tenant, "sluice.status": outcome})
+        by_tenant = {"gen_ai.request.model": t.model, **({tenant_attribute: tenant} if tenant_attribute else {})}
+        self.requests.add(1, {**by_tenant, "sluice.status": outcome})
         for kind, n in (("input", prompt), ("output", completion)):
-            self.tenant_tokens.add(n, {"gen_ai.request.model": t.model, "sluice.tenant.id": tenant,
-                                       "gen_ai.token.type": kind})
+            self.tenant_tokens.add(n, {**by_tenant, "gen_ai.token.type": kind})
 
     def shutdown(self) -> None:
         self.provider.shutdown()

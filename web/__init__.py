@@ -9,9 +9,12 @@ and request on this origin, so the console works offline and a key cannot leave 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from litestar import Response, Router
+from litestar.file_system import BaseLocalFileSystem
 from litestar.static_files import create_static_files_router
+from litestar.types.file_types import FileInfo
 
 STATIC_DIR = Path(__file__).parent / "static"
 CONSOLE_PATH = "/console"
@@ -32,7 +35,29 @@ def _secure(response: Response) -> Response:  # type: ignore[type-arg]
     return response
 
 
+class ConsoleFiles(BaseLocalFileSystem):
+    """The local file system, where a path that cannot name a file is simply not found.
+
+    A URL can carry what no file name can (`/console/%00`: a NUL byte; a name longer than the
+    system allows); stat() raises ValueError or OSError for those, which Litestar would turn
+    into a 500. The static router answers 404 for FileNotFoundError.
+    """
+
+    async def info(self, path: Any, **kwargs: Any) -> FileInfo:
+        try:
+            return await super().info(path, **kwargs)
+        except (FileNotFoundError, PermissionError):
+            raise
+        except (ValueError, OSError) as exc:
+            raise FileNotFoundError(str(path)) from exc
+
+
 def console_router() -> Router:
     return create_static_files_router(
-        path=CONSOLE_PATH, directories=[STATIC_DIR], html_mode=True, name="console", after_request=_secure
+        path=CONSOLE_PATH,
+        directories=[STATIC_DIR],
+        file_system=ConsoleFiles(),
+        html_mode=True,
+        name="console",
+        after_request=_secure,
     )

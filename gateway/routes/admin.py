@@ -9,11 +9,10 @@ with Retry-After beyond that.
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from litestar import Request, delete, get, patch, post
 from litestar.di import NamedDependency
-from litestar.exceptions import ClientException
 from litestar.params import FromPath, JSONBody, QueryParameter
 
 from drivers.base import Driver
@@ -30,6 +29,7 @@ from gateway.admin_schemas import (
     UsageOut,
 )
 from gateway.auth import ADMIN_SECURITY, TENANT_SECURITY
+from gateway.openapi import error_responses
 from gateway.schemas import ModelList, ModelObject
 from gateway.tenancy import Tenancy
 from tenants.auth import TenantContext
@@ -48,21 +48,10 @@ def _tenants(request: Request) -> TenantService:
     return tenancy.tenants
 
 
-class BodyRequest(Request[Any, Any, Any]):
-    """A request whose JSON body nested too deeply is a 400, not a 500.
-
-    Litestar decodes a body untyped before checking it against the handler's schema, and
-    msgspec's recursion guard raises RecursionError on, e.g., 1,000 nested arrays in an
-    unknown field: that is a bad body, not a server fault."""
-
-    async def json(self) -> Any:
-        try:
-            return await super().json()
-        except RecursionError:
-            raise ClientException("Malformed JSON body: nested too deeply") from None
-
-
-@post("/admin/tenants", status_code=201, security=ADMIN_SECURITY, tags=["admin"], request_class=BodyRequest)
+@post(
+    "/admin/tenants", status_code=201, security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 408, 409, 413),
+)
 async def create_tenant(
     request: Request, data: JSONBody[TenantCreate], admin: NamedDependency[None]
 ) -> TenantOut:
@@ -78,17 +67,23 @@ async def create_tenant(
     return TenantOut.of(await _tenants(request).create_tenant(spec))
 
 
-@get("/admin/tenants", security=ADMIN_SECURITY, tags=["admin"])
+@get("/admin/tenants", security=ADMIN_SECURITY, tags=["admin"], responses=error_responses(401, 403))
 async def list_tenants(request: Request, admin: NamedDependency[None]) -> TenantList:
     return TenantList([TenantOut.of(t) for t in await _tenants(request).list_tenants()])
 
 
-@get("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"])
+@get(
+    "/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404),
+)
 async def get_tenant(request: Request, tenant_id: FromPath[str], admin: NamedDependency[None]) -> TenantOut:
     return TenantOut.of(await _tenants(request).get_tenant(tenant_id))
 
 
-@patch("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"], request_class=BodyRequest)
+@patch(
+    "/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404, 408, 409, 413),
+)
 async def update_tenant(
     request: Request, tenant_id: FromPath[str], data: JSONBody[TenantUpdate], admin: NamedDependency[None]
 ) -> TenantOut:
@@ -96,18 +91,18 @@ async def update_tenant(
     return TenantOut.of(await _tenants(request).update_tenant(tenant_id, data.changes()))
 
 
-@delete("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"])
+@delete(
+    "/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404),
+)
 async def delete_tenant(request: Request, tenant_id: FromPath[str], admin: NamedDependency[None]) -> None:
     """Deletes the tenant and its keys; its usage records stay (billing history)."""
     await _tenants(request).delete_tenant(tenant_id)
 
 
 @post(
-    "/admin/tenants/{tenant_id:str}/keys",
-    status_code=201,
-    security=ADMIN_SECURITY,
-    tags=["admin"],
-    request_class=BodyRequest,
+    "/admin/tenants/{tenant_id:str}/keys", status_code=201, security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404, 408, 413),
 )
 async def create_key(
     request: Request, tenant_id: FromPath[str], data: JSONBody[KeyCreate], admin: NamedDependency[None]
@@ -118,18 +113,27 @@ async def create_key(
     return KeyCreated(**{f: getattr(out, f) for f in out.__struct_fields__}, key=secret)
 
 
-@get("/admin/tenants/{tenant_id:str}/keys", security=ADMIN_SECURITY, tags=["admin"])
+@get(
+    "/admin/tenants/{tenant_id:str}/keys", security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404),
+)
 async def list_keys(request: Request, tenant_id: FromPath[str], admin: NamedDependency[None]) -> KeyList:
     return KeyList([KeyOut.of(k) for k in await _tenants(request).list_keys(tenant_id)])
 
 
-@delete("/admin/keys/{key_id:str}", status_code=200, security=ADMIN_SECURITY, tags=["admin"])
+@delete(
+    "/admin/keys/{key_id:str}", status_code=200, security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404),
+)
 async def revoke_key(request: Request, key_id: FromPath[str], admin: NamedDependency[None]) -> KeyOut:
     """Revokes at once in the database; every replica refuses the key within the auth cache TTL (1 s)."""
     return KeyOut.of(await _tenants(request).revoke_key(key_id))
 
 
-@get("/admin/tenants/{tenant_id:str}/usage", security=ADMIN_SECURITY, tags=["admin"])
+@get(
+    "/admin/tenants/{tenant_id:str}/usage", security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404),
+)
 async def tenant_usage(
     request: Request,
     tenant_id: FromPath[str],
@@ -151,7 +155,7 @@ def _own_tenant(request: Request, caller: TenantContext | None) -> str:
     return caller.tenant_id
 
 
-@get("/v1/usage", security=TENANT_SECURITY, tags=["usage"])
+@get("/v1/usage", security=TENANT_SECURITY, tags=["usage"], responses=error_responses(400, 401, 403))
 async def own_usage(
     request: Request,
     caller: NamedDependency[TenantContext | None],
@@ -163,7 +167,10 @@ async def own_usage(
     return UsageOut.of(await _tenants(request).usage(_own_tenant(request, caller), start, end, group_by))
 
 
-@get("/admin/tenants/{tenant_id:str}/latency", security=ADMIN_SECURITY, tags=["admin"])
+@get(
+    "/admin/tenants/{tenant_id:str}/latency", security=ADMIN_SECURITY, tags=["admin"],
+    responses=error_responses(400, 401, 403, 404),
+)
 async def tenant_latency(
     request: Request,
     tenant_id: FromPath[str],
@@ -175,7 +182,7 @@ async def tenant_latency(
     return LatencyOut.of(await _tenants(request).latency(tenant_id, start, end, group_by))
 
 
-@get("/v1/usage/latency", security=TENANT_SECURITY, tags=["usage"])
+@get("/v1/usage/latency", security=TENANT_SECURITY, tags=["usage"], responses=error_responses(400, 401, 403))
 async def own_latency(
     request: Request,
     caller: NamedDependency[TenantContext | None],
@@ -187,7 +194,7 @@ async def own_latency(
     return LatencyOut.of(await _tenants(request).latency(_own_tenant(request, caller), start, end, group_by))
 
 
-@get("/admin/models", security=ADMIN_SECURITY, tags=["admin"])
+@get("/admin/models", security=ADMIN_SECURITY, tags=["admin"], responses=error_responses(401, 403))
 async def admin_models(driver: NamedDependency[Driver], admin: NamedDependency[None]) -> ModelList:
     """What /v1/models lists, for the admin key (which is no tenant's and so cannot call /v1)."""
     return ModelList(

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from litestar import Response, get
-from litestar.di import NamedDependency
+import hmac
+
+from litestar import MediaType, Request, Response, get
+from litestar.di import NamedDependency, Provide
+from litestar.openapi.spec import Components, SecurityScheme
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from drivers.base import Driver, DriverHealth
+from gateway.auth import bearer_token
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import error_responses
+from gateway.settings import Settings
+from tenants.errors import AuthenticationError
 
 
 @get("/healthz")
@@ -26,8 +33,44 @@ async def engine_stats(driver: NamedDependency[Driver]) -> DriverHealth:
     return await driver.health()
 
 
-@get("/metrics")
-async def metrics(metrics: NamedDependency[GatewayMetrics]) -> Response[bytes]:
+METRICS_SECURITY_COMPONENTS = Components(
+    security_schemes={
+        "MetricsToken": SecurityScheme(
+            type="http", scheme="bearer", description="The metrics token (SLUICE_METRICS_TOKEN), for scrapers"
+        )
+    }
+)
+
+
+async def provide_metrics_reader(request: Request) -> None:
+    """/metrics counts requests and tokens per tenant: the metrics token or the admin key may read it.
+
+    A --no-auth server without a metrics token leaves it open: it has no tenants to tell apart (every
+    request counts as tenant "none") and serves completions to anyone who can reach it anyway.
+    """
+    settings: Settings = request.app.state["settings"]
+    token = bearer_token(request)
+    expected = settings.metrics_token
+    if token is not None and expected is not None and hmac.compare_digest(token.encode(), expected.encode()):
+        return
+    tenancy = request.app.state.get("tenancy")
+    if tenancy is not None and tenancy.admin.is_admin(token):
+        return
+    if not settings.auth and settings.metrics_token is None:
+        return
+    raise AuthenticationError(
+        "Reading /metrics needs 'Authorization: Bearer <metrics token (SLUICE_METRICS_TOKEN) or admin key>'"
+    )
+
+
+@get(
+    "/metrics",
+    media_type=MediaType.TEXT,
+    security=[{"MetricsToken": []}, {"AdminKey": []}],
+    dependencies={"metrics_reader": Provide(provide_metrics_reader)},
+    responses=error_responses(401),
+)
+async def metrics(metrics: NamedDependency[GatewayMetrics], metrics_reader: NamedDependency[None]) -> Response[bytes]:
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

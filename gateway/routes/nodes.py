@@ -4,17 +4,21 @@ injection for chaos testing, `POST /admin/nodes/{id}/fault`. Admin key when auth
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 from litestar import Request, get, post
 from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, JSONBody
+from msgspec import Meta
 
 from drivers.base import Driver, NodesReport
 from gateway.auth import ADMIN_SECURITY, provide_admin
+from gateway.openapi import error_responses
 
 
 class FaultIn(msgspec.Struct, forbid_unknown_fields=True):
-    step_delay_s: float = 0.0  # extra sleep after every engine step; 0 clears it
+    step_delay_s: Annotated[float, Meta(ge=0.0, le=60.0)] = 0.0  # extra sleep after every engine step; 0 clears it
     stall: bool = False  # stop stepping, keep requests: the watchdog's case
 
 
@@ -29,14 +33,20 @@ async def provide_node_admin(request: Request) -> None:
         await provide_admin(request)
 
 
-@get("/admin/nodes", security=ADMIN_SECURITY, tags=["admin"])
+@get("/admin/nodes", security=ADMIN_SECURITY, tags=["admin"], responses=error_responses(401, 403))
 async def list_nodes(driver: NamedDependency[Driver], node_admin: NamedDependency[None]) -> NodesReport:
     """Every engine node: status (healthy, sluggish, stalled, dead), load, latency over the health
     window, why it is flagged; and the latest flag/unflag events."""
     return driver.nodes()
 
 
-@post("/admin/nodes/{node_id:str}/fault", status_code=200, security=ADMIN_SECURITY, tags=["admin"])
+@post(
+    "/admin/nodes/{node_id:str}/fault",
+    status_code=200,
+    security=ADMIN_SECURITY,
+    tags=["admin"],
+    responses=error_responses(400, 401, 403, 408, 413),
+)
 async def set_fault(
     node_id: FromPath[str], data: JSONBody[FaultIn], driver: NamedDependency[Driver],
     node_admin: NamedDependency[None],

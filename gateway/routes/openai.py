@@ -11,12 +11,21 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
+from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 
 from drivers.base import Driver
 from gateway.auth import TENANT_SECURITY
 from gateway.errors import invalid_body
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelList, ModelObject
+from gateway.openapi import error_responses, self_decoded_body
+from gateway.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelList,
+    ModelObject,
+)
 from gateway.service import CompletionService, Reply
 from observability.hub import TRACE_PARENT
 from tenants.auth import TenantContext
@@ -33,8 +42,9 @@ def _new_request_id(request: Request, prefix: str) -> str:
 
 
 async def _decode(request: Request, schema: type[T]) -> T:
-    raw = await request.body()  # enforces request_max_body_size -> 413
+    raw = await request.body()  # 413 past request_max_body_size, 408 past the body deadline
     try:
+        # JSON nested too deep, even in a field we ignore, raises RecursionError: gateway.errors makes it 400
         return msgspec.json.decode(raw, type=schema)
     except msgspec.DecodeError as exc:
         raise invalid_body(exc) from None
@@ -102,7 +112,21 @@ def _reply(reply: Reply | None, rid: str) -> Response[Any]:
     return _respond(reply, rid)
 
 
-@post("/v1/chat/completions", status_code=200, security=TENANT_SECURITY)
+GENERATION_ERRORS = error_responses(400, 401, 403, 404, 408, 413, 429, 503, 504)
+
+
+def _answer(body: type[msgspec.Struct]) -> ResponseSpec:
+    return ResponseSpec(body, description="The whole answer, or with stream: true its chunks as server-sent "
+                        "events", generate_examples=False)
+
+
+@post(
+    "/v1/chat/completions",
+    status_code=200,
+    security=TENANT_SECURITY,
+    operation_class=self_decoded_body(ChatCompletionRequest),
+    responses={200: _answer(ChatCompletion), **GENERATION_ERRORS},
+)
 async def chat_completions(
     request: Request,
     service: NamedDependency[CompletionService],
@@ -113,7 +137,13 @@ async def chat_completions(
     return _reply(await _unless_disconnected(request, service.chat(body, rid, caller)), rid)
 
 
-@post("/v1/completions", status_code=200, security=TENANT_SECURITY)
+@post(
+    "/v1/completions",
+    status_code=200,
+    security=TENANT_SECURITY,
+    operation_class=self_decoded_body(CompletionRequest),
+    responses={200: _answer(Completion), **GENERATION_ERRORS},
+)
 async def completions(
     request: Request,
     service: NamedDependency[CompletionService],
@@ -124,7 +154,7 @@ async def completions(
     return _reply(await _unless_disconnected(request, service.completion(body, rid, caller)), rid)
 
 
-@get("/v1/models", security=TENANT_SECURITY)
+@get("/v1/models", security=TENANT_SECURITY, responses=error_responses(401, 403))
 async def list_models(
     driver: NamedDependency[Driver], caller: NamedDependency[TenantContext | None]
 ) -> ModelList:

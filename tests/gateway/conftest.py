@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from edge_server import EdgeServer, start_edge_server
 from gateway_server import MAX_BODY_BYTES, MAX_MODEL_LEN, Server, start_server
 
 
@@ -40,3 +41,10 @@ def slow_server() -> Iterator[Server]:
         "--max-waiting",
         "2",
     )
+
+
+@pytest.fixture(scope="session")
+def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeServer]:
+    """Auth on (SQLite), a tenant and its key, a metrics token, tenants labelled by name, a 2 s body
+    deadline: for the tests of the HTTP edge and the OpenAPI schema."""
+    yield from start_edge_server(tmp_path_factory.mktemp("edge-db"), SLUICE_METRICS_TENANT_LABEL="name")

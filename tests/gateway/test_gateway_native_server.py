@@ -90,6 +90,25 @@ def test_bad_inputs_get_openai_errors(client: openai.OpenAI) -> None:
         client.completions.create(model=MODEL, prompt=[999_999], max_tokens=2)  # token id outside the vocab
 
 
+def test_integers_past_64_bits_are_400_not_a_crash_of_the_engine_pipe(native: Server) -> None:
+    """msgpack carries integers below 2**64 only: such a seed or token id once made a 500 here."""
+    url = native.v1 + "/completions"
+    for body, param in (
+        ({"prompt": "hi", "seed": 2**64}, "seed"),
+        ({"prompt": "hi", "seed": 2**63, "n": 2}, "seed"),
+        ({"prompt": [2**64]}, "prompt[0]"),
+        ({"prompt": [[1, 2**70]]}, "prompt[0][1]"),
+    ):
+        resp = httpx.post(url, json={"model": MODEL, "max_tokens": 2, **body}, timeout=60)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == param
+    # The largest seed still serves every choice: choice i samples with seed + i.
+    resp = httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": 2**63 - 1, "n": 3},
+                      timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"]) == 3
+
+
 def test_disconnect_mid_stream_frees_the_kv_blocks(native: Server) -> None:
     idle = native.wait_idle()
     assert idle["kv_blocks_used"] == 0
