@@ -156,7 +156,7 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void register_quant_linear(pybind11::module& m) {
   m.def("q4_1_linear", &q4_1_linear, "x [M, K] fp32 @ Q4_1 weight [N, K]^T -> [M, N] fp32");
   m.def("q8_0_linear", &q8_0_linear, "x [M, K] fp32 @ Q8_0 weight [N, K]^T -> [M, N] fp32");
 }

@@ -158,6 +158,10 @@ class LlamaForCausalLM(nn.Module):
         layers = sum(layer.enable_quantized(max_rows) for layer in self.layers)  # type: ignore[operator]
         return layers + (self.lm_head_quantized is not None)
 
+    def use_decode_kernel(self, kv_cache: KVCache) -> bool:
+        """Whether decodes attend through Sluice's C++ kernel: it reads an fp32 cache."""
+        return self.dtype == torch.float32 and kv_cache.k[0].dtype == torch.float32 and kernels_available()
+
     def _check_shapes(self) -> None:
         cfg = self.config
         expected_qkv = ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size)
@@ -174,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:  # type: ignore[override]
         if int(batch.positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position beyond max_position_embeddings={self.rope.max_positions}")
-        plan = AttentionPlan.from_batch(batch)
+        plan = AttentionPlan.from_batch(batch, decode_kernel=self.use_decode_kernel(kv_cache))
         cos, sin = self.rope.lookup(batch.positions)
         x = F.embedding(batch.input_ids, self.embed).float()
         for i, layer in enumerate(self.layers):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine_native.kernels import quant_linear as _kernels
+from engine_native.kernels import cpu_kernels as _kernels
 
 BLOCK = 32
 
