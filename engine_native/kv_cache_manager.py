@@ -14,7 +14,7 @@ Invariant (checked by `check_integrity`, run by the tests after every step):
     the prefix-cache index and the blocks' own hashes agree
 
 Prefix caching (when enabled): every full block of a request is named by a
-hash chain, hash(parent block's hash, the block's token ids, a salt). The salt
+SHA-256 chain over a salt and the token ids (`block_hash.py`). The salt
 is the tenant id, so tenants never share cache unless configured to. A new
 request first looks up the longest run of its full blocks already in the cache
 and takes them with a reference (no compute); blocks whose reference count drops
@@ -28,8 +28,10 @@ when a block is needed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from engine_native.block_hash import BlockHash, block_hash, root_hash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -47,8 +49,8 @@ class BlockPool:
         # Low ids first, so that a fresh engine's tables are easy to read in logs. The head is
         # evicted first: blocks are appended when their last reference goes.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.block_hash: list[Hashable | None] = [None] * num_blocks
-        self.cached: dict[Hashable, int] = {}  # block hash -> block id
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}  # block hash -> block id
 
     @property
     def num_free(self) -> int:
@@ -80,11 +82,11 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 self._free[b] = None
 
-    def register(self, block: int, block_hash: Hashable) -> None:
+    def register(self, block: int, name: BlockHash) -> None:
         """Name a full, computed block; a hash already owned by another block is left alone."""
-        if block_hash not in self.cached and self.block_hash[block] is None:
-            self.cached[block_hash] = block
-            self.block_hash[block] = block_hash
+        if name not in self.cached and self.block_hash[block] is None:
+            self.cached[name] = block
+            self.block_hash[block] = name
 
     def _evict(self, block: int) -> None:
         h = self.block_hash[block]
@@ -121,7 +123,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.share_prefix_across_tenants = share_prefix_across_tenants
         self._tables: dict[str, list[int]] = {}
-        self._hashes: dict[str, list[Hashable]] = {}  # hash chain of each request's full blocks
+        self._hashes: dict[str, list[BlockHash]] = {}  # hash chain of each request's full blocks
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
 
@@ -186,9 +188,9 @@ class KVCacheManager:
             return []
         bs = self.block_size
         blocks: list[int] = []
-        parent: Hashable = salt
+        parent = root_hash(salt)
         for i in range((len(token_ids) - 1) // bs):
-            h = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             b = self.pool.cached.get(h)
             if b is None:
                 break
@@ -206,8 +208,8 @@ class KVCacheManager:
         table = self._tables.get(request_id, [])
         hashes = self._hashes.setdefault(request_id, [])
         for i in range(len(hashes), min(num_computed_tokens // bs, len(table))):
-            parent = hashes[-1] if hashes else salt
-            h = hash((parent, tuple(token_ids(i * bs, (i + 1) * bs))))
+            parent = hashes[-1] if hashes else root_hash(salt)
+            h = block_hash(parent, token_ids(i * bs, (i + 1) * bs))
             self.pool.register(table[i], h)
             hashes.append(h)
 

@@ -3,9 +3,10 @@
 `AttentionPlan` is built once per forward from the `ForwardBatch` (it is the same
 for every layer); `paged_attention` runs one layer with it:
 
-  * every decode (query_len == 1) of the step is handled by ONE batched call:
-    their blocks are gathered to [B, L_max, Hkv, D] and a length mask hides the
-    padding, so 32 decodes cost one kernel, not 32;
+  * every decode (query_len == 1) of the step is handled by ONE call: with an
+    fp32 cache, Sluice's C++ kernel (kernels/paged_attention.cpp) walks each
+    sequence's block table in place; otherwise their blocks are gathered to
+    [B, L_max, Hkv, D] and a length mask hides the padding;
   * each prefill chunk attends to its cached context plus its own tokens
     causally, one SDPA call per sequence (chunks are few and long).
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_native.forward_batch import ForwardBatch
+from engine_native.kernels import cpu_kernels
 
 
 @dataclass
@@ -38,13 +40,16 @@ class AttentionPlan:
     block_size: int
     decode_token_index: torch.Tensor | None  # [B] indices into T; None when no decodes
     decode_block_tables: torch.Tensor | None  # [B, nb_max]
+    decode_context_lens: torch.Tensor | None  # [B] int64
+    # Only for the PyTorch path (no kernel, or a non-fp32 cache):
     decode_mask: torch.Tensor | None  # [B, 1, 1, nb_max * block_size] bool, True = attend
     decode_bias: torch.Tensor | None  # [B, 1, L]: the same mask as an additive fp32 bias (0 / -inf)
     decodes_are_whole_batch: bool  # the step is pure decode in order: no scatter needed
     prefills: list[PrefillChunk]
 
     @classmethod
-    def from_batch(cls, batch: ForwardBatch) -> AttentionPlan:
+    def from_batch(cls, batch: ForwardBatch, decode_kernel: bool = False) -> AttentionPlan:
+        """`decode_kernel`: the decodes will run in the C++ kernel, which needs no mask."""
         bs = batch.block_size
         decode_seqs = [i for i, q in enumerate(batch.query_lens) if q == 1]
         prefills: list[PrefillChunk] = []
@@ -62,25 +67,23 @@ class AttentionPlan:
             prefills.append(PrefillChunk(start, qlen, ctx, batch.block_tables[i, :nblocks], mask))
 
         if not decode_seqs:
-            return cls(batch.num_tokens, bs, None, None, None, None, False, prefills)
+            return cls(batch.num_tokens, bs, None, None, None, None, None, False, prefills)
         ctx_lens = torch.tensor([batch.context_lens[i] for i in decode_seqs], dtype=torch.long)
         nb_max = -(-int(ctx_lens.max()) // bs)
         seq_index = torch.tensor(decode_seqs, dtype=torch.long)
-        tables = batch.block_tables[seq_index, :nb_max]
+        tables = batch.block_tables[seq_index, :nb_max].contiguous()
+        token_index = torch.tensor([batch.query_starts[i] for i in decode_seqs], dtype=torch.long)
+        whole = not prefills and len(decode_seqs) == batch.num_tokens  # decodes only: T == B, in order
+        if decode_kernel:
+            return cls(batch.num_tokens, bs, token_index, tables, ctx_lens, None, None, whole, prefills)
         key_pos = torch.arange(nb_max * bs)
         mask = (key_pos.unsqueeze(0) < ctx_lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, -1)
-        token_index = torch.tensor([batch.query_starts[i] for i in decode_seqs], dtype=torch.long)
-        whole = (
-            not prefills
-            and len(decode_seqs) == batch.num_tokens
-            and bool((token_index == torch.arange(batch.num_tokens)).all())
-        )
         bias = (
             torch.zeros(mask.shape, dtype=torch.float32)
             .masked_fill_(~mask, float("-inf"))
             .view(len(decode_seqs), 1, -1)
         )
-        return cls(batch.num_tokens, bs, token_index, tables.contiguous(), mask, bias, whole, prefills)
+        return cls(batch.num_tokens, bs, token_index, tables, ctx_lens, mask, bias, whole, prefills)
 
 
 def write_kv(
@@ -123,8 +126,14 @@ def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
 ) -> torch.Tensor:
     """q [B, H, D], one query per sequence -> [B, H, D], one batched kernel for all of them."""
-    assert plan.decode_block_tables is not None and plan.decode_bias is not None
+    assert plan.decode_block_tables is not None and plan.decode_context_lens is not None
     _, _, hkv, d = k_cache.shape
+    if plan.decode_bias is None:  # the plan was made for Sluice's kernel (fp32 q and cache)
+        kernels = cpu_kernels()
+        assert kernels is not None
+        return kernels.paged_decode_attention(
+            q.contiguous(), k_cache, v_cache, plan.decode_block_tables, plan.decode_context_lens, d**-0.5
+        )
     b, h, _ = q.shape
     # index_select of whole blocks (contiguous bs*Hkv*D runs) is ~2x faster than advanced indexing.
     flat = plan.decode_block_tables.view(-1)

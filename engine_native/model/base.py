@@ -28,9 +28,9 @@ class CausalLM(Protocol):
         [len(batch.logits_indices), vocab_size]."""
         ...
 
-    def enable_int4(self, max_rows: int) -> int:
-        """Use 4-bit weight copies for steps of at most `max_rows` tokens where lossless; returns how
-        many weight matrices were packed (0 where unsupported)."""
+    def enable_quantized(self, max_rows: int) -> int:
+        """Multiply by the weights' quantized blocks (when the loader kept them) in steps of at most
+        `max_rows` tokens; returns how many weight matrices will (0 where unsupported)."""
         ...
 
 

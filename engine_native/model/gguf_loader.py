@@ -1,7 +1,8 @@
 """Load a llama.cpp GGUF file: metadata -> ModelConfig, tensors -> dequantized HF-named weights.
 
-Quantized tensors are dequantized once at load (the model then runs dense in
-bf16/fp32). llama.cpp's converter stores attn_q/attn_k of the `llama` arch with
+Quantized tensors are dequantized once at load: the model runs dense in fp32 or bf16. Q4_1 and
+Q8_0 tensors also keep their blocks (model/quant.py), which steps of a few tokens multiply by
+directly. llama.cpp's converter stores attn_q/attn_k of the `llama` arch with
 rows permuted for its interleaved RoPE; we permute them back to Hugging Face's
 rotate-half layout, as transformers' GGUF integration does.
 """
@@ -24,6 +25,7 @@ from engine_native.config import ModelConfig
 from engine_native.model.base import LoadedModel, ModelLoadError
 from engine_native.model.gguf_tokenizer import tokenizer_from_gguf
 from engine_native.model.llama import LlamaForCausalLM
+from engine_native.model.quant import QuantWeight, q4_1_from_gguf, q8_0_from_gguf
 from engine_native.model.rope import inverse_frequencies
 
 Q = GGMLQuantizationType
@@ -170,6 +172,7 @@ def load_gguf(path: str, dtype: torch.dtype, progress: bool = True) -> LoadedMod
     permuted = ARCHITECTURES[meta["general.architecture"]][1]
 
     weights: dict[str, torch.Tensor] = {}
+    blocks: dict[str, QuantWeight] = {}
     rope_freqs: np.ndarray | None = None
     for t in tqdm(
         reader.tensors,
@@ -187,10 +190,16 @@ def load_gguf(path: str, dtype: torch.dtype, progress: bool = True) -> LoadedMod
         hf_name = gguf_name_to_hf(t.name)
         if hf_name is None:
             continue
+        heads = 0
         if permuted and ".attn_q." in t.name:
-            array = unpermute_qk(array, cfg.num_heads)
+            heads = cfg.num_heads
         elif permuted and ".attn_k." in t.name:
-            array = unpermute_qk(array, cfg.num_kv_heads)
+            heads = cfg.num_kv_heads
+        if heads:
+            array = unpermute_qk(array, heads)
+        raw = _blocks(t)
+        if raw is not None:
+            blocks[hf_name] = raw.rows(_unpermuted_rows(raw.shape[0], heads)) if heads else raw
         if not array.flags.writeable:  # F32 tensors are read-only views of the memory-mapped file
             array = array.copy()
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
@@ -202,9 +211,24 @@ def load_gguf(path: str, dtype: torch.dtype, progress: bool = True) -> LoadedMod
     if embed is not None and embed.shape[0] != cfg.vocab_size:
         updates["vocab_size"] = int(embed.shape[0])
     cfg = replace(cfg, **updates)
-    model = LlamaForCausalLM(cfg, weights, dtype)
+    model = LlamaForCausalLM(cfg, weights, dtype, blocks)
     tokenizer = tokenizer_from_gguf(meta) if "tokenizer.ggml.tokens" in meta else None
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, dtype=dtype, source=path)
+
+
+def _blocks(t: Any) -> QuantWeight | None:
+    """The tensor's quantized blocks in the kernels' layout, for the formats they read."""
+    if t.tensor_type == Q.Q4_1 and len(t.data.shape) == 2:
+        return q4_1_from_gguf(t.data)
+    if t.tensor_type == Q.Q8_0 and len(t.data.shape) == 2:
+        return q8_0_from_gguf(t.data)
+    return None
+
+
+def _unpermuted_rows(num_rows: int, n_head: int) -> torch.Tensor:
+    """Row order that `unpermute_qk` gives, as indices, to reorder quantized rows the same way."""
+    index = np.arange(num_rows).reshape(num_rows, 1)
+    return torch.from_numpy(unpermute_qk(index, n_head).reshape(-1).copy())
 
 
 __all__ = ["config_from_metadata", "load_gguf", "permute_qk", "read_metadata", "unpermute_qk"]

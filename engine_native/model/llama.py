@@ -3,6 +3,14 @@
 Weights arrive under Hugging Face names (`model.layers.N.self_attn.q_proj.weight`, ...)
 from either loader and are re-laid out for CPU speed: q/k/v become one matrix and
 gate/up another, so a layer is four GEMMs. Qwen2 differs only by a bias on q/k/v.
+
+The residual stream stays float32 whatever the weights' dtype: with bf16 weights only
+the GEMM inputs are rounded to bf16. SmolLM2 carries activations of ~25,000 in a few
+channels, where bf16's spacing is 128, so a bf16 residual drops every smaller update
+there; an fp32 one costs a few kilobytes per token.
+
+Steps of at most `quantized_max_rows` tokens multiply by the GGUF blocks of the
+weights instead (model/quant.py) where the loader kept them.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from engine_native.config import ModelConfig
 from engine_native.forward_batch import ForwardBatch, KVCache
 from engine_native.model.attention import AttentionPlan, paged_attention, write_kv
 from engine_native.model.base import ModelLoadError
-from engine_native.model.int4 import PackedInt4, int4_kernel_available, int4_linear, pack_int4_lossless
+from engine_native.model.quant import QuantWeight, concat, kernels_available, quant_linear
 from engine_native.model.rope import RotaryTable, apply_rotary
 
 
@@ -28,11 +36,19 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 class DecoderLayer(nn.Module):
     """One pre-norm block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], prefix: str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        prefix: str,
+        blocks: Mapping[str, QuantWeight],
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.dtype = dtype
         w = lambda name: _take(weights, prefix + name)
-        self.input_norm = _frozen(w("input_layernorm.weight"))
+        self.input_norm = _frozen(w("input_layernorm.weight").float())
         self.qkv_weight = _frozen(
             torch.cat(
                 [w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]
@@ -46,28 +62,34 @@ class DecoderLayer(nn.Module):
                 )
             )
         self.o_weight = _frozen(w("self_attn.o_proj.weight"))
-        self.post_norm = _frozen(w("post_attention_layernorm.weight"))
+        self.post_norm = _frozen(w("post_attention_layernorm.weight").float())
         self.gate_up_weight = _frozen(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
         self.down_weight = _frozen(w("mlp.down_proj.weight"))
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        # 4-bit copies for steps of at most `int4_max_rows` tokens (see model/int4.py); empty = off.
-        self.int4: dict[str, PackedInt4] = {}
-        self.int4_max_rows = 0
+        b = lambda name: blocks.get(prefix + name)
+        available = {
+            "qkv_weight": concat([b("self_attn.q_proj.weight"), b("self_attn.k_proj.weight"),
+                                  b("self_attn.v_proj.weight")]),
+            "o_weight": b("self_attn.o_proj.weight"),
+            "gate_up_weight": concat([b("mlp.gate_proj.weight"), b("mlp.up_proj.weight")]),
+            "down_weight": b("mlp.down_proj.weight"),
+        }
+        self._available: dict[str, QuantWeight] = {k: v for k, v in available.items() if v is not None}
+        # Blocks used for steps of at most `quantized_max_rows` tokens; empty = dense only.
+        self.quantized: dict[str, QuantWeight] = {}
+        self.quantized_max_rows = 0
 
-    def enable_int4(self, max_rows: int) -> int:
-        """Pack the weights that repack losslessly; returns how many did."""
-        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            packed = pack_int4_lossless(getattr(self, name).data)
-            if packed is not None:
-                self.int4[name] = packed
-        self.int4_max_rows = max_rows
-        return len(self.int4)
+    def enable_quantized(self, max_rows: int) -> int:
+        """Multiply by the kept blocks in steps of at most `max_rows` tokens; returns how many matrices."""
+        self.quantized = dict(self._available) if max_rows > 0 else {}
+        self.quantized_max_rows = max_rows
+        return len(self.quantized)
 
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        packed = self.int4.get(name)
-        if packed is not None and x.shape[0] <= self.int4_max_rows and x.dtype == torch.bfloat16:
-            return int4_linear(x, packed, bias)
+        blocks = self.quantized.get(name)
+        if blocks is not None and x.shape[0] <= self.quantized_max_rows:
+            return quant_linear(x, blocks, bias)
         return F.linear(x, getattr(self, name), bias)
 
     def forward(
@@ -80,9 +102,10 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
+        """x: the float32 residual stream [T, hidden]."""
         cfg = self.config
         t = x.shape[0]
-        h = F.rms_norm(x, (x.shape[-1],), self.input_norm, cfg.rms_norm_eps)
+        h = F.rms_norm(x, (x.shape[-1],), self.input_norm, cfg.rms_norm_eps).to(self.dtype)
         qkv = self._linear(h, "qkv_weight", self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
@@ -90,7 +113,7 @@ class DecoderLayer(nn.Module):
         write_kv(k_cache, v_cache, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), slots)
         attn = paged_attention(q, k_cache, v_cache, plan)
         x = x + self._linear(attn.reshape(t, self.q_size), "o_weight")
-        h = F.rms_norm(x, (x.shape[-1],), self.post_norm, cfg.rms_norm_eps)
+        h = F.rms_norm(x, (x.shape[-1],), self.post_norm, cfg.rms_norm_eps).to(self.dtype)
         gate, up = self._linear(h, "gate_up_weight").chunk(2, dim=-1)
         return x + self._linear(F.silu(gate) * up, "down_weight")
 
@@ -98,31 +121,46 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Implements `CausalLM`: token ids of a mixed step in, float32 logits of chosen rows out."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        blocks: Mapping[str, QuantWeight] | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        blocks = blocks or {}
         weights = {name: t.to(dtype) for name, t in weights.items()}
         self.embed = _frozen(_take(weights, "model.embed_tokens.weight"))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers)
+            DecoderLayer(config, weights, f"model.layers.{i}.", blocks, dtype) for i in range(config.num_layers)
         )
-        self.final_norm = _frozen(_take(weights, "model.norm.weight"))
-        if config.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = _frozen(weights["lm_head.weight"])
+        self.final_norm = _frozen(_take(weights, "model.norm.weight").float())
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = self.embed if tied else _frozen(weights["lm_head.weight"])
+        self._lm_head_available = blocks.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+        self.lm_head_quantized: QuantWeight | None = None
+        self.quantized_max_rows = 0
         self.rope = RotaryTable(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
         )
         self._check_shapes()
 
-    def enable_int4(self, max_rows: int) -> int:
-        """Use 4-bit weight copies for steps of at most `max_rows` tokens (bf16 on CPU only), where
-        they repack losslessly. Returns the number of weight matrices packed."""
-        if self.dtype != torch.bfloat16 or max_rows <= 0 or not int4_kernel_available():
-            return 0
-        return sum(layer.enable_int4(max_rows) for layer in self.layers)  # type: ignore[operator]
+    def enable_quantized(self, max_rows: int) -> int:
+        """Multiply by the GGUF blocks the loader kept in steps of at most `max_rows` tokens (0: never).
+        Returns the number of weight matrices that will; 0 where the kernels cannot run here."""
+        if max_rows <= 0 or not kernels_available():
+            max_rows = 0
+        self.quantized_max_rows = max_rows
+        self.lm_head_quantized = self._lm_head_available if max_rows else None
+        layers = sum(layer.enable_quantized(max_rows) for layer in self.layers)  # type: ignore[operator]
+        return layers + (self.lm_head_quantized is not None)
+
+    def use_decode_kernel(self, kv_cache: KVCache) -> bool:
+        """Whether decodes attend through Sluice's C++ kernel: it reads an fp32 cache."""
+        return self.dtype == torch.float32 and kv_cache.k[0].dtype == torch.float32 and kernels_available()
 
     def _check_shapes(self) -> None:
         cfg = self.config
@@ -140,15 +178,17 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:  # type: ignore[override]
         if int(batch.positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position beyond max_position_embeddings={self.rope.max_positions}")
-        plan = AttentionPlan.from_batch(batch)
+        plan = AttentionPlan.from_batch(batch, decode_kernel=self.use_decode_kernel(kv_cache))
         cos, sin = self.rope.lookup(batch.positions)
-        x = F.embedding(batch.input_ids, self.embed)
+        x = F.embedding(batch.input_ids, self.embed).float()
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch.slot_mapping, kv_cache.k[i], kv_cache.v[i], plan)
         # Norm and lm_head only on the rows whose logits are wanted: the vocab GEMM dominates.
         h = x[batch.logits_indices]
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        if self.lm_head_quantized is not None and h.shape[0] <= self.quantized_max_rows:
+            return quant_linear(h, self.lm_head_quantized)
+        return F.linear(h.to(self.dtype), self.lm_head).float()
 
 
 def _take(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -142,3 +142,31 @@ class PrefixMachine(RuleBasedStateMachine):
 
 TestPrefixMachine = PrefixMachine.TestCase
 TestPrefixMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_block_names_are_a_sha256_chain_the_same_in_every_process() -> None:
+    """A cache hit reuses KV without comparing tokens: names must be collision-resistant (not Python's
+    64-bit hash()) and, for a fleet router, computable in another process."""
+    import hashlib
+    import struct
+    import subprocess
+    import sys
+
+    s = caching_scheduler()
+    s.add_request(request("a", SYSTEM + [1, 2, 3], max_tokens=1, tenant="tenant-α"))
+    drain(s)
+    names = set(s.kv_cache.pool.cached)
+
+    parent = hashlib.sha256(b"sluice-prefix-v1\0" + "tenant-α".encode()).digest()
+    expected = []
+    for start in range(0, 20, BS):  # 21 prompt tokens computed: 5 full blocks of 4
+        parent = hashlib.sha256(parent + struct.pack("<4I", *(SYSTEM + [1, 2, 3])[start : start + BS])).digest()
+        expected.append(parent)
+    assert names == set(expected)
+
+    code = (
+        "from engine_native.block_hash import prefix_hashes; "
+        f"print(','.join(h.hex() for h in prefix_hashes({SYSTEM + [1, 2, 3]}, {BS}, 'tenant-α')))"
+    )
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert other.stdout.strip().split(",") == [h.hex() for h in expected]

@@ -1,0 +1,91 @@
+"""Sluice's own CPU kernels (C++ with AVX2 intrinsics), compiled on first use and cached.
+
+`cpu_kernels()` returns the compiled module, or None where it cannot run: a CPU without AVX2/FMA,
+no C++ compiler, or SLUICE_KERNELS=0. Callers then use their PyTorch path; nothing else changes.
+What each function computes is written at the top of its source file:
+
+    quant_linear.cpp     q4_1_linear, q8_0_linear: x @ W^T with W in GGUF blocks
+    paged_attention.cpp  paged_decode_attention: one query per sequence over the paged KV cache
+
+The build goes through torch.utils.cpp_extension (ninja, the host's g++) into
+~/.cache/sluice/kernels/<key>, where the key covers the source, torch's version and this CPU's
+flags, so a copied cache never runs code built for another CPU. It takes ~30-60 s once per host;
+a file lock keeps concurrent engine processes from building it twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / "bindings.cpp", _HERE / "quant_linear.cpp", _HERE / "paged_attention.cpp"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build_dir() -> Path:
+    key = hashlib.sha256()
+    for source in _SOURCES:
+        key.update(source.read_bytes())
+    key.update(torch.__version__.encode())
+    key.update(_cpu_flags().encode())
+    root = Path(os.environ.get("SLUICE_KERNEL_CACHE", Path.home() / ".cache" / "sluice" / "kernels"))
+    path = root / key.hexdigest()[:16]
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` wheel's copy may not be there (a venv's
+    bin/ is on PATH only when the venv is activated)."""
+    import shutil
+
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def cpu_kernels() -> ModuleType | None:
+    if os.environ.get("SLUICE_KERNELS", "1").lower() in ("0", "false", "off", "no"):
+        return None
+    if not torch.cpu._is_avx2_supported():
+        log.info("no AVX2 on this CPU: Sluice's CPU kernels off, PyTorch paths only")
+        return None
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    try:
+        return cpp_extension.load(
+            name="sluice_cpu_kernels",
+            sources=[str(s) for s in _SOURCES],
+            build_directory=str(_build_dir()),
+            extra_cflags=["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja: serve with PyTorch paths
+        log.warning("building Sluice's CPU kernels failed, using PyTorch paths only: %s", exc)
+        return None

@@ -1,0 +1,10 @@
+// The one Python module of Sluice's kernels; each source file registers its functions.
+#include <torch/extension.h>
+
+void register_quant_linear(pybind11::module& m);
+void register_paged_attention(pybind11::module& m);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_quant_linear(m);
+  register_paged_attention(m);
+}

@@ -1,0 +1,162 @@
+// Matrix products with weights kept in their GGUF block formats, for steps of a few tokens on CPU.
+//
+// A decode step of one or a few sequences reads every weight once per step: its time is the time to read
+// the weights. These kernels read 4-bit (Q4_1) or 8-bit (Q8_0) blocks of 32 weights instead of fp32 rows,
+// and dequantize them in registers to exactly the fp32 values the dense path holds:
+//
+//     Q4_1:  w = fma(d, q, m)   q in 0..15, d and m the block's fp16 scale and minimum (as fp32)
+//     Q8_0:  w = d * q          q in -128..127
+//
+// (gguf's dequantize computes d * q + m in fp32: d * q is exact, so one fused multiply-add rounds the
+// same way). Activations and accumulation stay fp32, so a row's result differs from the dense GEMM only
+// in the order of the additions.
+//
+// Layouts (prepared once at load, see engine_native/model/quant.py):
+//     q4_1: qs [N, K/32, 16] uint8 (byte j: element j in the low nibble, element j + 16 in the high one),
+//           dm [N, K/32, 2] float32 (d, m)
+//     q8_0: qs [N, K/32, 32] int8, d [N, K/32] float32
+// x is [M, K] float32, contiguous; the result is [M, N] float32. Rows of the weight (N) are split across
+// ATen's intra-op threads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kMaxRows = 8;  // rows of x handled per pass over the weights
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline __m256 u8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+inline __m256 i8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
+
+// The 32 weights of one Q4_1 block as four vectors of 8 floats, in element order.
+inline void q4_1_block(const uint8_t* qs, float d, float m, __m256 w[4]) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(packed, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  const __m256 vd = _mm256_set1_ps(d);
+  const __m256 vm = _mm256_set1_ps(m);
+  w[0] = _mm256_fmadd_ps(vd, u8_to_ps(lo), vm);
+  w[1] = _mm256_fmadd_ps(vd, u8_to_ps(_mm_unpackhi_epi64(lo, lo)), vm);
+  w[2] = _mm256_fmadd_ps(vd, u8_to_ps(hi), vm);
+  w[3] = _mm256_fmadd_ps(vd, u8_to_ps(_mm_unpackhi_epi64(hi, hi)), vm);
+}
+
+inline void q8_0_block(const int8_t* qs, float d, __m256 w[4]) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
+  const __m256 vd = _mm256_set1_ps(d);
+  w[0] = _mm256_mul_ps(vd, i8_to_ps(a));
+  w[1] = _mm256_mul_ps(vd, i8_to_ps(_mm_unpackhi_epi64(a, a)));
+  w[2] = _mm256_mul_ps(vd, i8_to_ps(b));
+  w[3] = _mm256_mul_ps(vd, i8_to_ps(_mm_unpackhi_epi64(b, b)));
+}
+
+// One weight row n against R rows of x. A independent accumulators per row hide the FMA latency when R
+// is small (R * A <= 8 keeps everything in the 16 ymm registers with the 4 weight vectors).
+template <int R, int A, typename Block>
+inline void row_dot(Block block, int64_t nblocks, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  __m256 acc[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+  __m256 w[4];
+  for (int64_t b = 0; b < nblocks; ++b) {
+    block(b, w);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * ldx + b * kBlock;
+      for (int j = 0; j < 4; ++j) acc[r][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j % A]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m256 s = acc[r][0];
+    for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[r][a]);
+    out[r * ldo] = hsum(s);
+  }
+}
+
+template <typename Block>
+inline void dot_rows(Block block, int64_t nblocks, const float* x, int64_t rows, int64_t ldx, float* out,
+                     int64_t ldo) {
+  switch (rows) {
+    case 1: row_dot<1, 4>(block, nblocks, x, ldx, out, ldo); break;
+    case 2: row_dot<2, 4>(block, nblocks, x, ldx, out, ldo); break;
+    case 3: row_dot<3, 2>(block, nblocks, x, ldx, out, ldo); break;
+    case 4: row_dot<4, 2>(block, nblocks, x, ldx, out, ldo); break;
+    case 5: row_dot<5, 1>(block, nblocks, x, ldx, out, ldo); break;
+    case 6: row_dot<6, 1>(block, nblocks, x, ldx, out, ldo); break;
+    case 7: row_dot<7, 1>(block, nblocks, x, ldx, out, ldo); break;
+    default: row_dot<8, 1>(block, nblocks, x, ldx, out, ldo); break;
+  }
+}
+
+void check_x(const torch::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight ", k);
+}
+
+template <typename RowBlock>
+torch::Tensor run(const torch::Tensor& x, int64_t n, int64_t nblocks, RowBlock row_block) {
+  const int64_t m = x.size(0), k = x.size(1);
+  auto out = torch::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      auto block = row_block(row);
+      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+        dot_rows(block, nblocks, xp + r0 * k, std::min(kMaxRows, m - r0), k, op + r0 * n + row, n);
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 16 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous(),
+              "qs must be a contiguous uint8 [N, K/32, 16] tensor");
+  TORCH_CHECK(dm.dim() == 3 && dm.size(2) == 2 && dm.scalar_type() == torch::kFloat32 && dm.is_contiguous(),
+              "dm must be a contiguous float32 [N, K/32, 2] tensor");
+  const int64_t n = qs.size(0), nblocks = qs.size(1);
+  check_x(x, nblocks * kBlock);
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const float* s = dm.data_ptr<float>();
+  return run(x, n, nblocks, [=](int64_t row) {
+    const uint8_t* rq = q + row * nblocks * 16;
+    const float* rs = s + row * nblocks * 2;
+    return [=](int64_t b, __m256 w[4]) { q4_1_block(rq + b * 16, rs[2 * b], rs[2 * b + 1], w); };
+  });
+}
+
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 32 && qs.scalar_type() == torch::kInt8 && qs.is_contiguous(),
+              "qs must be a contiguous int8 [N, K/32, 32] tensor");
+  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat32 && d.is_contiguous(),
+              "d must be a contiguous float32 [N, K/32] tensor");
+  const int64_t n = qs.size(0), nblocks = qs.size(1);
+  check_x(x, nblocks * kBlock);
+  const int8_t* q = qs.data_ptr<int8_t>();
+  const float* s = d.data_ptr<float>();
+  return run(x, n, nblocks, [=](int64_t row) {
+    const int8_t* rq = q + row * nblocks * 32;
+    const float* rs = s + row * nblocks;
+    return [=](int64_t b, __m256 w[4]) { q8_0_block(rq + b * 32, rs[b], w); };
+  });
+}
+
+}  // namespace
+
+void register_quant_linear(pybind11::module& m) {
+  m.def("q4_1_linear", &q4_1_linear, "x [M, K] fp32 @ Q4_1 weight [N, K]^T -> [M, N] fp32");
+  m.def("q8_0_linear", &q8_0_linear, "x [M, K] fp32 @ Q8_0 weight [N, K]^T -> [M, N] fp32");
+}

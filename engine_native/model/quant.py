@@ -1,0 +1,119 @@
+"""Weights kept in their GGUF block formats, for steps of a few tokens (see kernels/quant_linear.cpp).
+
+A model loaded from a GGUF file keeps, beside its dense weights, the Q4_1 and Q8_0 blocks it was
+quantized to. A step of at most `EngineConfig.quantized_max_rows` tokens multiplies by the blocks
+(reading 4-8x fewer bytes than fp32); a bigger step uses the dense GEMM, which is faster once the
+step is compute-bound. Both paths use the same fp32 weight values (the kernel dequantizes in
+registers exactly as gguf does at load), so a request's output does not depend on which path its
+step took beyond the order of additions.
+
+    Q4_1 block of 32 weights: fp16 d, fp16 m, 16 bytes of nibbles -> w = d * q + m, q in 0..15
+    Q8_0 block of 32 weights: fp16 d, 32 int8                     -> w = d * q
+
+Layouts here (row n of the weight is output feature n):
+    Q41Weight.qs [N, K/32, 16] uint8 (byte j: element j low nibble, element j + 16 high), dm [N, K/32, 2] fp32
+    Q80Weight.qs [N, K/32, 32] int8, d [N, K/32] fp32
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine_native.kernels import cpu_kernels as _kernels
+
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Q41Weight:
+    qs: torch.Tensor
+    dm: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.qs.shape[0]), int(self.qs.shape[1]) * BLOCK
+
+    def rows(self, index: torch.Tensor) -> Q41Weight:
+        return Q41Weight(self.qs[index].contiguous(), self.dm[index].contiguous())
+
+
+@dataclass(frozen=True)
+class Q80Weight:
+    qs: torch.Tensor
+    d: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.qs.shape[0]), int(self.qs.shape[1]) * BLOCK
+
+    def rows(self, index: torch.Tensor) -> Q80Weight:
+        return Q80Weight(self.qs[index].contiguous(), self.d[index].contiguous())
+
+
+QuantWeight = Q41Weight | Q80Weight
+
+
+def q4_1_from_gguf(raw: np.ndarray) -> Q41Weight:
+    """GGUF Q4_1 tensor data, uint8 [N, K/32 * 20] -> Q41Weight."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, 20)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    qs = np.ascontiguousarray(blocks[..., 4:20])
+    dm = np.concatenate([d, m], axis=-1)
+    return Q41Weight(torch.from_numpy(qs.copy()), torch.from_numpy(np.ascontiguousarray(dm)))
+
+
+def q8_0_from_gguf(raw: np.ndarray) -> Q80Weight:
+    """GGUF Q8_0 tensor data, uint8 [N, K/32 * 34] -> Q80Weight."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, 34)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+    qs = np.ascontiguousarray(blocks[..., 2:34]).view(np.int8)
+    return Q80Weight(torch.from_numpy(qs.copy()), torch.from_numpy(np.ascontiguousarray(d)))
+
+
+def concat(parts: Sequence[QuantWeight | None]) -> QuantWeight | None:
+    """Stack weights along N (q/k/v into qkv, gate/up into gate_up); None unless all share one format."""
+    if not parts or any(p is None for p in parts):
+        return None
+    if all(isinstance(p, Q41Weight) for p in parts):
+        q41 = [p for p in parts if isinstance(p, Q41Weight)]
+        return Q41Weight(torch.cat([p.qs for p in q41]), torch.cat([p.dm for p in q41]))
+    if all(isinstance(p, Q80Weight) for p in parts):
+        q80 = [p for p in parts if isinstance(p, Q80Weight)]
+        return Q80Weight(torch.cat([p.qs for p in q80]), torch.cat([p.d for p in q80]))
+    return None
+
+
+def dequantize(w: QuantWeight) -> torch.Tensor:
+    """The fp32 [N, K] weight, computed as gguf computes it (the reference of the kernel tests)."""
+    n, k = w.shape
+    if isinstance(w, Q41Weight):
+        lo = (w.qs & 0x0F).float()
+        hi = (w.qs >> 4).float()
+        q = torch.cat([lo, hi], dim=-1)  # [N, K/32, 32]
+        return (w.dm[..., 0:1] * q + w.dm[..., 1:2]).reshape(n, k)
+    return (w.qs.float() * w.d.unsqueeze(-1)).reshape(n, k)
+
+
+def kernels_available() -> bool:
+    return _kernels() is not None
+
+
+def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (any float dtype) @ w^T -> [M, N] in x's dtype; needs `kernels_available()`."""
+    kernels = _kernels()
+    assert kernels is not None
+    xf = x.float().contiguous()
+    if isinstance(w, Q41Weight):
+        y = kernels.q4_1_linear(xf, w.qs, w.dm)
+    else:
+        y = kernels.q8_0_linear(xf, w.qs, w.d)
+    if bias is not None:
+        y = y + bias
+    return y if x.dtype == torch.float32 else y.to(x.dtype)

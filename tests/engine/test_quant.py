@@ -1,0 +1,110 @@
+"""The quantized-block path: the kernels compute with exactly the dense path's weight values, and a
+model's greedy answers do not depend on which path a step took."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+
+from engine_native.config import CacheConfig, EngineConfig
+from engine_native.engine import LLMEngine
+from engine_native.model.bundled import bundled_model_path
+from engine_native.model.quant import (
+    Q41Weight,
+    Q80Weight,
+    dequantize,
+    kernels_available,
+    q4_1_from_gguf,
+    q8_0_from_gguf,
+    quant_linear,
+)
+from engine_native.sampling_params import SamplingParams
+
+
+def test_the_kernels_build_on_this_host() -> None:
+    assert kernels_available()  # CI hosts have AVX2 and g++: the fast path must not silently vanish
+
+
+@pytest.fixture(scope="module")
+def bundled_tensors() -> dict[str, tuple[Q41Weight | Q80Weight, torch.Tensor]]:
+    reader = GGUFReader(bundled_model_path())
+    out = {}
+    for t in reader.tensors:
+        if t.name in ("blk.0.ffn_down.weight", "blk.3.attn_k.weight", "token_embd.weight"):
+            blocks = q4_1_from_gguf(t.data) if t.tensor_type.name == "Q4_1" else q8_0_from_gguf(t.data)
+            dense = torch.from_numpy(np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
+            out[t.name] = (blocks, dense)
+    return out
+
+
+@pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.3.attn_k.weight", "token_embd.weight"])
+def test_blocks_dequantize_to_exactly_the_dense_weights(bundled_tensors, name: str) -> None:  # type: ignore[no-untyped-def]
+    blocks, dense = bundled_tensors[name]
+    assert torch.equal(dequantize(blocks), dense)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11, 19])
+@pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "token_embd.weight"])
+def test_kernel_equals_the_dense_product_up_to_summation_order(bundled_tensors, name: str, rows: int) -> None:  # type: ignore[no-untyped-def]
+    blocks, dense = bundled_tensors[name]
+    x = torch.randn(rows, dense.shape[1], generator=torch.Generator().manual_seed(rows))
+    exact = x.double() @ dense.double().t()
+    ours = quant_linear(x, blocks).double()
+    # fp32 accumulation over K <= 1536 terms: the dense GEMM's own error is of the same size.
+    dense_err = ((x @ dense.t()).double() - exact).abs().max().item()
+    assert (ours - exact).abs().max().item() <= max(4 * dense_err, 1e-5)
+
+
+def test_bias_and_bf16_inputs() -> None:
+    g = torch.Generator().manual_seed(0)
+    qs = torch.randint(0, 256, (24, 4, 16), dtype=torch.uint8, generator=g)
+    dm = torch.randn(24, 4, 2, generator=g) * 0.01
+    w = Q41Weight(qs, dm)
+    x = torch.randn(3, 128, generator=g).bfloat16()
+    bias = torch.randn(24, generator=g)
+    y = quant_linear(x, w, bias)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), (x.float() @ dequantize(w).t() + bias), atol=0.02, rtol=0.01)
+
+
+def _engine(quantized_max_rows: int) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(model_path=bundled_model_path(), quantized_max_rows=quantized_max_rows,
+                     cache=CacheConfig(num_blocks=256, enable_prefix_caching=False)),
+        progress=False,
+    )
+
+
+def _chat(engine: LLMEngine, question: str) -> list[int]:
+    tok = engine.tokenizer
+    assert tok is not None
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False)
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Write one sentence about the sea.",
+    "What is 12 times 12?",
+    "Who wrote Hamlet?",
+    "Translate 'good morning' to Spanish.",
+    "Give me a word that rhymes with cat.",
+    "What colour is the sky on a clear day?",
+]
+
+
+def test_greedy_answers_are_the_same_on_both_paths_alone_and_in_a_batch_of_8() -> None:
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    quantized = _engine(8)
+    dense = _engine(0)
+    assert quantized.loaded.model.enable_quantized(8) == 4 * 30 + 1  # every layer matrix and the lm_head
+    prompts = [_chat(quantized, q) for q in QUESTIONS]
+    alone = [quantized.generate([p], greedy)[0] for p in prompts]  # steps of 1 token: the blocks
+    batch = quantized.generate(prompts, greedy)  # the first steps are prefills: dense GEMMs
+    assert [dense.generate([p], greedy)[0] for p in prompts] == alone
+    assert batch == alone
+    tok = quantized.tokenizer
+    assert tok is not None and "Paris" in tok.decode(alone[0])
