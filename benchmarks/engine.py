@@ -40,10 +40,11 @@ from typing import Any
 import torch
 
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine_native.engine import LLMEngine, parse_dtype
+from engine_native.engine import LLMEngine
 from engine_native.model.base import LoadedModel
 from engine_native.model.bundled import bundled_model_path
 from engine_native.model.loader import load_model
+from engine_native.precision import DTYPE_CHOICES, parse_dtype
 from engine_native.sampling_params import SamplingParams
 
 CHAT_QUESTION = "What is the capital of France?"
@@ -201,15 +202,15 @@ def direct_streams(model_path: str | None, num_streams: int, input_len: int, out
 class HFBaseline:
     """transformers `generate` with static batches; the model is the same file, dequantized by transformers."""
 
-    def __init__(self, model_path: str, pad_token_id: int) -> None:
+    def __init__(self, model_path: str, pad_token_id: int, dtype: torch.dtype) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoModelForCausalLM
 
         if model_path.lower().endswith(".gguf"):
             folder, name = os.path.split(model_path)
-            self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+            self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         self.model.eval()
         self.pad = pad_token_id
 
@@ -328,7 +329,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or argparse.ArgumentParser(prog="sluice bench engine", description=__doc__,
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file or HF folder; default: the bundled SmolLM2")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="our engine's dtype")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="dtype of our engine and of the HF baseline (auto: bf16 only on CPUs with native bf16)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both sides")
     p.add_argument("--skip-hf", action="store_true", help="run our engine only")
     p.add_argument("--scenarios", default="1,2,3,4", help="comma-separated subset of 1,2,3,4")
@@ -366,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
     works = make_workloads(sizes, loaded.config.vocab_size, args.seed)
     engine = build_engine(loaded, args, args.dtype, _tokens_in_flight(works, scenarios))
     pad = min(loaded.tokenizer.eos_token_ids) if loaded.tokenizer and loaded.tokenizer.eos_token_ids else 0
-    hf = None if args.skip_hf else HFBaseline(args.model, pad)
+    hf = None if args.skip_hf else HFBaseline(args.model, pad, parse_dtype(args.dtype))  # same dtype as ours
 
     warm = works[3].prompts[:1] * 2
     engine.generate(warm, _greedy(4))

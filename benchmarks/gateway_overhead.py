@@ -30,6 +30,8 @@ from typing import Any
 from benchmarks.serve import BenchConfig, BenchResult, run_benchmark
 from benchmarks.server_process import ServerProcess
 
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")  # as engine_native.precision; this process stays torch-free
+
 TARGET_RATIO = 0.9
 
 
@@ -38,7 +40,7 @@ class GatewayBenchConfig:
     num_streams: int = 32
     input_len: int = 128
     output_len: int = 128
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     threads: int = 2
     model: str | None = None  # None: the bundled model
     seed: int = 0
@@ -97,7 +99,7 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--num-streams", type=int, default=d.num_streams, help="concurrent requests")
     p.add_argument("--input-len", type=int, default=d.input_len, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=d.output_len, help="output tokens per request")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=d.dtype, help="engine dtype")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype, help="engine dtype")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads, both halves")
     p.add_argument("--model", default=None, help="model path; default: the bundled model")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")

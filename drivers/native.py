@@ -54,7 +54,7 @@ class NativeDriver(Driver):
     def __init__(
         self,
         model_path: str | None = None,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         kv_cache_memory_bytes: int | None = None,

@@ -46,7 +46,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     )
     p.add_argument("--served-model-name", default=None, help="model id clients send; default: the driver's")
     p.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight/activation dtype"
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+        help="weight/activation dtype; auto: bfloat16 only on CPUs with native bf16 (AVX-512 BF16, AMX)"
     )
     p.add_argument("--max-num-seqs", type=int, default=64, help="cap on sequences running in one engine step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
