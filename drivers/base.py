@@ -116,6 +116,12 @@ class DriverHealth(msgspec.Struct, frozen=True):
     waiting_tokens: int = 0  # tokens queued (what max_waiting_tokens bounds)
     # Tokens the waiting requests still have to compute (prompt + max_tokens left), by priority.
     waiting_work_by_priority: dict[int, int] = {}
+    # What a first token waits on below the running cap (gateway.load_shedding): prompt tokens still to
+    # compute of queued requests by priority, of running requests still in prefill, and how fast prompts
+    # were computed while such work was queued (0: not measured).
+    prefill_waiting_by_priority: dict[int, int] = {}
+    prefill_running: int = 0
+    prefill_tokens_per_s: float = 0.0
     max_waiting: int = 0  # bound of the waiting queue in requests; 0: unknown
     max_num_seqs: int = 0  # cap on running sequences (all engines); 0: unknown
     max_waiting_tokens: int = 0  # bound of the waiting queue in tokens; 0: unknown or none

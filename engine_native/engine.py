@@ -34,6 +34,18 @@ from engine_native.sizing import num_kv_blocks
 
 log = logging.getLogger(__name__)
 
+STATS_WINDOW_S = 5.0  # the recent past that rates are measured over
+
+
+@dataclass(frozen=True)
+class _StepRecord:
+    end: float  # time.time() when the step ended
+    generated: int  # tokens sampled
+    prompt: int  # prompt tokens computed
+    interval: float  # seconds since the previous step ended
+    backlog: bool  # prompt work was left waiting when the step was scheduled
+
+
 @dataclass
 class _Tracked:
     """Engine-side state of a request beyond what the scheduler keeps."""
@@ -77,8 +89,10 @@ class LLMEngine:
         self.steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        # (time, tokens generated, prompt tokens computed) of each recent step
-        self._recent: deque[tuple[float, int, int]] = deque()
+        # Each recent step: (end time, tokens generated, prompt tokens computed, seconds since the previous
+        # step ended, whether prompt work was left waiting when it was scheduled).
+        self._recent: deque[_StepRecord] = deque()
+        self._last_step_end = time.time()
         log.info(
             "engine ready: model=%s dtype=%s max_model_len=%d kv_blocks=%d x %d tokens",
             self.model_name, dtype, self.max_model_len, num_blocks, block_size,
@@ -143,8 +157,12 @@ class LLMEngine:
         )
         self.prompt_tokens_total += prompt_tokens
         self.generation_tokens_total += len(updates)
-        self._recent.append((now, len(updates), prompt_tokens))
-        while self._recent and now - self._recent[0][0] > 5.0:
+        # Prompt work was left over: a chunk that did not reach its sample, or requests still waiting. Such
+        # steps measure how fast queued prompts are served, which is what a new request would wait on.
+        backlog = bool(len(self.scheduler.waiting)) or any(not s.samples for s in sched.scheduled)
+        self._recent.append(_StepRecord(now, len(updates), prompt_tokens, now - self._last_step_end, backlog))
+        self._last_step_end = now
+        while self._recent and now - self._recent[0].end > STATS_WINDOW_S:
             self._recent.popleft()
         return [self._process(u, now) for u in updates]
 
@@ -218,14 +236,18 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         usage = self.kv_cache.usage()
         now = time.time()
-        window = [w for w in self._recent if now - w[0] <= 5.0]
-        span = (now - window[0][0]) if len(window) > 1 else 0.0
-        rate = sum(w[1] for w in window) / span if span > 0 else 0.0
-        prompt_rate = sum(w[2] for w in window) / span if span > 0 else 0.0
+        window = [w for w in self._recent if now - w.end <= STATS_WINDOW_S]
+        span = (now - window[0].end) if len(window) > 1 else 0.0
+        rate = sum(w.generated for w in window) / span if span > 0 else 0.0
+        prompt_rate = sum(w.prompt for w in window) / span if span > 0 else 0.0
+        busy = [w for w in window if w.backlog]
+        busy_s = sum(w.interval for w in busy)
         work: dict[int, int] = {}
+        prefill_waiting: dict[int, int] = {}
         for r in self.scheduler.waiting:
-            left = r.num_tokens - r.num_computed_tokens + r.sampling_params.max_tokens - r.num_output_tokens
-            work[r.priority] = work.get(r.priority, 0) + left
+            to_compute = r.num_tokens - r.num_computed_tokens  # the prompt, plus outputs after a preemption
+            work[r.priority] = work.get(r.priority, 0) + to_compute + r.sampling_params.max_tokens - r.num_output_tokens
+            prefill_waiting[r.priority] = prefill_waiting.get(r.priority, 0) + to_compute
         return EngineStats(
             node_id=self.config.node_id,
             running=len(self.scheduler.running),
@@ -243,6 +265,9 @@ class LLMEngine:
             prompt_tokens_per_s=prompt_rate,
             waiting_tokens=self.scheduler.waiting.num_tokens,
             waiting_work_by_priority=work,
+            prefill_waiting_by_priority=prefill_waiting,
+            prefill_running=sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in self.scheduler.running),
+            prefill_tokens_per_s=sum(w.prompt for w in busy) / busy_s if busy_s > 0 else 0.0,
             max_waiting=self.config.scheduler.max_waiting,
             max_waiting_tokens=self.config.scheduler.max_waiting_tokens,
         )

@@ -104,6 +104,12 @@ class EngineStats(msgspec.Struct, tag="stats", kw_only=True):
     # Tokens the waiting requests still have to compute (rest of the prompt + max_tokens not yet
     # generated), by priority: the work a new request of priority p waits behind is that of p' <= p.
     waiting_work_by_priority: dict[int, int] = {}
+    # What a new request's first token waits on: prompt tokens (and recomputed outputs) still to compute
+    # of waiting requests by priority, those of running requests still in prefill (ahead of every waiting
+    # one), and how fast prompt tokens were computed while such work was queued (0: not measured).
+    prefill_waiting_by_priority: dict[int, int] = {}
+    prefill_running: int = 0
+    prefill_tokens_per_s: float = 0.0
     max_waiting: int = 0
     max_waiting_tokens: int | None = None
 

@@ -1,29 +1,48 @@
 """Admission control: refuse early (503 + Retry-After) what the engine cannot serve in time.
 
-Before a request is dispatched, the gateway estimates how long it would wait in the
-engine's queue and compares that with the TTFT target of its priority tier:
+Before a request is dispatched, the gateway predicts its time to first token and compares it with
+the TTFT target of its priority tier. A request's first token waits on one of two things:
 
-    work_ahead(p) = tokens still to compute (prompt left + max_tokens left) of the requests queued
-                    with priority <= p: the larger of the engine's figure
-                    (`DriverHealth.waiting_work_by_priority`, up to ~0.1 s old) and this gateway's own
-                    count of requests it sent and that are past the running cap (exact, never stale)
-    wait(p)       = work_ahead(p) / (prompt + generation tokens per second, recently, measured
-                                     while the engine was saturated; otherwise no estimate)
+  * prompts ahead of it (prefill-bound, the usual case below the running cap): its own prompt and
+    every prompt token still to compute of requests at priority <= p, at the rate prompts were
+    computed while such work was queued (`DriverHealth.prefill_tokens_per_s`):
 
-The queue is strict priority, so only work of priority <= p is ahead of a request of
-priority p. Under overload the work piles up behind the lowest tier: wait(2) grows with
-everything queued while wait(0) grows only with tier-0 work, so tier 2 misses its (looser)
-target long before tier 0 misses its own. On top of the estimate, every tier may fill only
-its share of the waiting queue's bounds (`queue_share`, requests and tokens), so a burst that
-arrives before any throughput is measured (an idle engine) still leaves room to higher tiers.
-The engine's own bounds (`max_waiting`, `max_waiting_tokens`) stay the last line: the driver
-turns a full queue into the same OverloadedError.
+        prefill(p) = (running prefill left + queued prompt tokens of priority <= p + own prompt)
+                     / prefill rate
+
+    Queued requests' *decodes* are not ahead of it: they run batched beside its prefill.
+  * a running slot (slot-bound: the engine is at its running cap or out of KV blocks): slots free
+    as running requests finish, so everything queued ahead must largely run first:
+
+        slots(p) = (prompt + max_tokens left of queued requests of priority <= p)
+                   / (prompt + generation tokens per second)
+
+    "Ahead" is the larger of the engine's figures (up to ~0.1 s old) and this gateway's own count
+    of what it sent that has no first token yet (exact, never stale).
+
+    predicted(p) = calibration x max(prefill(p), slots(p) when slot-bound)
+
+`calibration` is learned: when an admitted request's first token comes, the TTFT it really had is
+compared with the prediction made when it was admitted, and the factor follows the ratio (a slow
+moving average, bounded to [1/4, 4]). Both the ratio (`sluice_ttft_prediction_ratio`) and every
+refusal with its reason (`sluice_shed_requests_total`) are exported, so what the estimate says
+can be checked against what happened.
+
+The queue is strict priority, so only work of priority <= p is ahead of a request of priority p.
+On top of the estimate, every tier may fill only its share of the waiting queue's bounds
+(`queue_share`, requests and tokens), so a burst that arrives before any throughput is measured
+(an idle engine) still leaves room to higher tiers. The engine's own bounds (`max_waiting`,
+`max_waiting_tokens`) stay the last line: the driver turns a full queue into the same error.
 """
 
 from __future__ import annotations
 
+import enum
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from drivers.base import DriverHealth, OverloadedError
 
@@ -54,60 +73,118 @@ def _tier(values: tuple[float, ...], priority: int) -> float:
 class Estimate:
     """What the shedder believes about the queue a request of one priority would join."""
 
-    wait_s: float | None  # None: no throughput measured yet, so no estimate
+    wait_s: float | None  # predicted time to first token (calibrated); None: nothing measured yet
     waiting: int  # requests queued (all tiers), including those sent since the engine's figures
     waiting_tokens: int
+    predicted_s: float | None = None  # the same before calibration, what the calibration learns from
+
+
+class ShedReason(enum.StrEnum):
+    TTFT_TARGET = "ttft_target"  # predicted time to first token beyond the tier's target
+    QUEUE_SHARE = "queue_share"  # the tier's share of the waiting queue (requests) is full
+    QUEUE_TOKENS = "queue_tokens"  # the tier's share of the waiting queue (tokens) is full
+
+
+class SheddingMetrics(Protocol):
+    def shed(self, priority: int, reason: ShedReason) -> None: ...
+
+    def ttft_prediction(self, actual_over_predicted: float) -> None: ...
 
 
 class Pending:
     """A request this gateway sent: queued until `started()` (first token), in flight until `finished()`."""
 
-    __slots__ = ("finished", "priority", "prompt_tokens", "started", "work")
+    __slots__ = ("admitted_at", "calibration", "finished", "predicted_s", "priority", "prompt_tokens",
+                 "started", "work")
 
-    def __init__(self, priority: int, work: int, prompt_tokens: int) -> None:
+    def __init__(self, priority: int, work: int, prompt_tokens: int, admitted_at: float,
+                 predicted_s: float | None, calibration: float) -> None:
         self.priority = priority
         self.work = work  # prompt + max_tokens
         self.prompt_tokens = prompt_tokens
+        self.admitted_at = admitted_at
+        self.predicted_s = predicted_s  # uncalibrated prediction of its TTFT, None when there was none
+        self.calibration = calibration  # the factor applied to it when it was admitted
         self.started = False
         self.finished = False
+
+
+# Predictions shorter than this are mostly noise (a step, a stats tick): they do not teach calibration.
+MIN_CALIBRATION_S = 0.25
+CALIBRATION_BOUNDS = (0.25, 4.0)
+CALIBRATION_WEIGHT = 0.1  # weight of each new observation in the moving average
 
 
 class LoadShedder:
     """Decides admit or refuse from the driver's health and the requests this gateway has in flight."""
 
-    def __init__(self, policy: SheddingPolicy) -> None:
+    def __init__(
+        self,
+        policy: SheddingPolicy,
+        metrics: SheddingMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.policy = policy
+        self.metrics = metrics
+        self.clock = clock
         # priority -> [requests, work tokens, prompt tokens] sent and without a first token yet.
         self._unstarted: dict[int, list[int]] = {}
         self.in_flight = 0  # sent and not finished
         self.shed_total: dict[int, int] = {}  # priority -> requests refused, since start
+        self.calibration = 1.0  # actual TTFT / predicted TTFT, learned
 
-    def estimate(self, health: DriverHealth, priority: int) -> Estimate:
+    def estimate(self, health: DriverHealth, priority: int, prompt_tokens: int = 0) -> Estimate:
+        """The predicted TTFT of a request of `priority` with `prompt_tokens` sent now."""
         unstarted = sum(q[0] for q in self._unstarted.values())
         # In flight beyond the running cap are queued (this gateway's view, never stale); the queued ones
         # are among those without a first token, so that share of their work and tokens is queued.
         cap = health.max_num_seqs or health.running
         queued_here = min(unstarted, max(0, self.in_flight - cap))
         share = queued_here / unstarted if unstarted else 0.0
-        local_work = share * sum(q[1] for p, q in self._unstarted.items() if p <= priority)
-        engine_work = sum(w for p, w in health.waiting_work_by_priority.items() if p <= priority)
-        work = max(local_work, engine_work)
         waiting = max(health.waiting, queued_here)
         waiting_tokens = max(
             health.waiting_tokens, round(share * sum(q[2] for q in self._unstarted.values()))
         )
+        predicted = _max_known(
+            self._prefill_bound(health, priority, prompt_tokens),
+            self._slot_bound(health, priority, share),
+        )
+        wait = None if predicted is None else predicted * self.calibration
+        return Estimate(wait, waiting, waiting_tokens, predicted)
+
+    def _prefill_bound(self, health: DriverHealth, priority: int, prompt_tokens: int) -> float | None:
+        # Every request of ours without a first token still has (some of) its prompt to compute.
+        local = sum(q[2] for p, q in self._unstarted.items() if p <= priority)
+        engine = health.prefill_running + sum(
+            w for p, w in health.prefill_waiting_by_priority.items() if p <= priority
+        )
+        ahead = max(local, engine) + prompt_tokens
+        if ahead == 0:
+            return 0.0
+        return ahead / health.prefill_tokens_per_s if health.prefill_tokens_per_s > 0 else None
+
+    def _slot_bound(self, health: DriverHealth, priority: int, share: float) -> float | None:
         # Throughput measures capacity only while the engine is saturated; a lightly loaded engine's says
         # how much was asked of it, and would make every wait look long.
-        saturated = health.waiting > 0 or 0 < health.max_num_seqs <= health.running
-        rate = health.prompt_tokens_per_s + health.generation_tokens_per_s if saturated else 0.0
-        wait = work / rate if rate > 0 else (0.0 if work == 0 else None)
-        return Estimate(wait, waiting, waiting_tokens)
+        kv_full = health.kv_blocks_total > 0 and health.kv_blocks_used >= 0.95 * health.kv_blocks_total
+        saturated = 0 < health.max_num_seqs <= health.running or kv_full
+        if not saturated:
+            return None  # below the cap queued requests wait on prefill (above), not on slots
+        local_work = share * sum(q[1] for p, q in self._unstarted.items() if p <= priority)
+        engine_work = sum(w for p, w in health.waiting_work_by_priority.items() if p <= priority)
+        work = max(local_work, engine_work)
+        if work == 0:
+            return 0.0
+        rate = health.prompt_tokens_per_s + health.generation_tokens_per_s
+        return work / rate if rate > 0 else None
 
     def admit(self, health: DriverHealth, priority: int, prompt_tokens: int, max_tokens: int) -> Pending:
         """Count the request as sent, or raise OverloadedError (503 + Retry-After)."""
+        est = self.estimate(health, priority, prompt_tokens)
         if self.policy.enabled:
-            self._check(health, priority, prompt_tokens)
-        pending = Pending(priority, prompt_tokens + max_tokens, prompt_tokens)
+            self._check(health, est, priority, prompt_tokens)
+        pending = Pending(priority, prompt_tokens + max_tokens, prompt_tokens, self.clock(), est.predicted_s,
+                          self.calibration)
         q = self._unstarted.setdefault(priority, [0, 0, 0])
         q[0] += 1
         q[1] += pending.work
@@ -116,7 +193,8 @@ class LoadShedder:
         return pending
 
     def started(self, pending: Pending) -> None:
-        """The request's first token came: it no longer waits. Idempotent."""
+        """The request's first token came: it no longer waits; its real TTFT teaches the calibration.
+        Idempotent."""
         if pending.started:
             return
         pending.started = True
@@ -126,21 +204,32 @@ class LoadShedder:
         q[2] -= pending.prompt_tokens
         if q[0] == 0:
             del self._unstarted[pending.priority]
+        if pending.predicted_s is not None and pending.predicted_s >= MIN_CALIBRATION_S:
+            actual = self.clock() - pending.admitted_at
+            ratio = actual / pending.predicted_s
+            low, high = CALIBRATION_BOUNDS
+            learned = (1 - CALIBRATION_WEIGHT) * self.calibration + CALIBRATION_WEIGHT * ratio
+            self.calibration = min(high, max(low, learned))
+            if self.metrics is not None:
+                self.metrics.ttft_prediction(actual / (pending.predicted_s * pending.calibration))
 
     def finished(self, pending: Pending) -> None:
         """The request ended, however it ended. Idempotent."""
-        self.started(pending)
+        if not pending.started:  # ended without a first token: nothing to learn from it
+            pending.predicted_s = None
+            self.started(pending)
         if not pending.finished:
             pending.finished = True
             self.in_flight -= 1
 
-    def _check(self, health: DriverHealth, priority: int, prompt_tokens: int) -> None:
-        est = self.estimate(health, priority)
+    def _check(self, health: DriverHealth, est: Estimate, priority: int, prompt_tokens: int) -> None:
         target = self.policy.target(priority)
         if est.wait_s is not None and est.wait_s > target:
             self._refuse(
                 priority,
-                f"Estimated queue wait {est.wait_s:.1f} s exceeds the {target:g} s target of priority {priority}",
+                ShedReason.TTFT_TARGET,
+                f"Predicted time to first token {est.wait_s:.1f} s exceeds the {target:g} s target of "
+                f"priority {priority}",
                 est.wait_s - target,
             )
         share = self.policy.share(priority)
@@ -148,6 +237,7 @@ class LoadShedder:
         if health.max_waiting and est.waiting + 1 > share * health.max_waiting:
             self._refuse(
                 priority,
+                ShedReason.QUEUE_SHARE,
                 f"The waiting queue is full for priority {priority} ({est.waiting} of "
                 f"{share * health.max_waiting:.0f} requests)",
                 retry,
@@ -159,12 +249,28 @@ class LoadShedder:
         ):
             self._refuse(
                 priority,
+                ShedReason.QUEUE_TOKENS,
                 f"The waiting queue is full for priority {priority} ({est.waiting_tokens} + {prompt_tokens} "
                 f"of {share * health.max_waiting_tokens:.0f} tokens)",
                 retry,
             )
 
-    def _refuse(self, priority: int, message: str, retry_after_s: float) -> None:
+    def _refuse(self, priority: int, reason: ShedReason, message: str, retry_after_s: float) -> None:
         self.shed_total[priority] = self.shed_total.get(priority, 0) + 1
+        if self.metrics is not None:
+            self.metrics.shed(priority, reason)
         retry = min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(retry_after_s)))
-        raise OverloadedError(message, retry_after=retry)
+        raise ShedError(message, retry_after=retry, reason=reason)
+
+
+class ShedError(OverloadedError):
+    """Refused by admission control (503 + Retry-After); `reason` says which check."""
+
+    def __init__(self, message: str, retry_after: float, reason: ShedReason) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.reason = reason
+
+
+def _max_known(*values: float | None) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None

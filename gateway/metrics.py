@@ -52,6 +52,27 @@ class GatewayMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
         )
 
+        self.shed_requests = Counter(
+            "sluice_shed_requests",
+            "Requests refused by admission control (503 + Retry-After), by priority tier and the check that refused",
+            ["priority", "reason"],
+            registry=self.registry,
+        )
+        self.ttft_prediction_ratio = Histogram(
+            "sluice_ttft_prediction_ratio",
+            "Admitted requests' real time to first token over the one admission control predicted (1 = exact)",
+            registry=self.registry,
+            buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
+        )
+
+    # -- gateway.load_shedding.SheddingMetrics ---------------------------------------------------
+
+    def shed(self, priority: int, reason: str) -> None:
+        self.shed_requests.labels(priority=str(priority), reason=str(reason)).inc()
+
+    def ttft_prediction(self, actual_over_predicted: float) -> None:
+        self.ttft_prediction_ratio.observe(actual_over_predicted)
+
     def observe_response(self, path: str, status: int) -> None:
         endpoint = path if path in KNOWN_ENDPOINTS else "other"
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

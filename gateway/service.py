@@ -68,7 +68,7 @@ class CompletionService:
         self.observability: Observability | None = None  # create_app sets it; None: request metrics off
         self._timelines: dict[str, RequestTimeline] = {}  # running requests, for metrics and traces
         self.shedder = LoadShedder(
-            SheddingPolicy(settings.ttft_targets_s, settings.queue_share, settings.load_shedding)
+            SheddingPolicy(settings.ttft_targets_s, settings.queue_share, settings.load_shedding), metrics
         )
         self._pending: dict[str, Pending] = {}  # admitted by the shedder and not finished
 
@@ -137,7 +137,7 @@ class CompletionService:
             if self.gate is not None and caller is not None:
                 self.gate.refuse(caller, dispatch.request_id, dispatch.model, "shed")
             log.info("shed", extra={"request_id": dispatch.request_id, "priority": first.priority,
-                                    "reason": str(exc)})
+                                    "reason": getattr(exc, "reason", "overloaded"), "detail": str(exc)})
             raise
         try:
             ticket = await self._admit(dispatch, caller)

@@ -125,13 +125,63 @@ def test_requests_sent_count_until_the_engine_reports_them() -> None:
     assert shedder.estimate(h, 2).wait_s == 0.0
     idle = health(running=0, waiting=0)
     shedder.admit(idle, 2, 100, 100)
-    assert shedder.estimate(idle, 2).wait_s == 0.0  # it fits a free slot: nothing is queued
+    # It fits a free slot and no prompt rate is measured yet: nothing predicts a wait.
+    assert not shedder.estimate(idle, 2).wait_s
 
 
 def test_throughput_of_an_unsaturated_engine_is_not_used() -> None:
     shedder = LoadShedder(SheddingPolicy())
     h = health(running=2, waiting=0, waiting_work_by_priority={2: 50_000})
-    assert shedder.estimate(h, 2).wait_s is None
+    assert not shedder.estimate(h, 2).wait_s  # no positive wait from the throughput of an idle engine
+
+
+def test_below_the_running_cap_a_first_token_waits_only_on_prompts_ahead() -> None:
+    """Queued requests' decodes run batched beside a newcomer's prefill: only prompt tokens are ahead
+    of it (the work of max_tokens is not), at the rate prompts were computed while queued."""
+    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(2.0, 10.0, 30.0)))
+    h = health(
+        running=32, max_num_seqs=64, waiting=6,
+        prefill_waiting_by_priority={0: 100, 1: 3_000}, prefill_running=200, prefill_tokens_per_s=1_000.0,
+        waiting_work_by_priority={0: 100 + 200, 1: 3_000 + 6 * 200},
+    )
+    assert shedder.estimate(h, 1, prompt_tokens=500).wait_s == pytest.approx((200 + 100 + 3_000 + 500) / 1_000)
+    assert shedder.estimate(h, 0, prompt_tokens=500).wait_s == pytest.approx((200 + 100 + 500) / 1_000)
+    assert outcome(shedder, h, 1, prompt=500, max_tokens=4_000) == "admitted"  # 3.8 s < 10 s, however long
+    assert outcome(shedder, h, 0, prompt=2_000) == "shed"  # its own 2,000 tokens take 2.3 s > 2 s
+
+
+def test_calibration_follows_the_real_time_to_first_token_and_is_exported() -> None:
+    from gateway.metrics import GatewayMetrics
+
+    now = [0.0]
+    metrics = GatewayMetrics()
+    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(100.0,)), metrics, clock=lambda: now[0])
+    h = health(running=1, max_num_seqs=64, prefill_tokens_per_s=100.0)
+    for _ in range(60):  # every request really waits twice what was predicted
+        pending = shedder.admit(h, 0, prompt_tokens=100, max_tokens=1)  # predicted 1 s
+        now[0] += 2.0
+        shedder.started(pending)
+        shedder.finished(pending)
+    assert shedder.calibration == pytest.approx(2.0, rel=0.02)
+    assert shedder.estimate(h, 0, prompt_tokens=100).wait_s == pytest.approx(2.0, rel=0.02)
+    ratios = metrics.registry.get_sample_value("sluice_ttft_prediction_ratio_count")
+    assert ratios == 60
+    # The first prediction was off by 2x; the last ones, calibrated, are close to exact.
+    assert metrics.registry.get_sample_value("sluice_ttft_prediction_ratio_bucket", {"le": "1.1"}) >= 30
+
+
+def test_refusals_are_counted_by_priority_and_reason() -> None:
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(2.0, 10.0, 30.0)), metrics)
+    h = health(waiting=50, waiting_work_by_priority={2: 45_000})
+    assert outcome(shedder, h, 2) == "shed"
+    full = health(waiting=100)
+    assert outcome(shedder, full, 1) == "shed"
+    sample = metrics.registry.get_sample_value
+    assert sample("sluice_shed_requests_total", {"priority": "2", "reason": "ttft_target"}) == 1
+    assert sample("sluice_shed_requests_total", {"priority": "1", "reason": "queue_share"}) == 1
 
 
 def test_disabled_policy_admits_everything() -> None:
