@@ -155,7 +155,7 @@ def _own_tenant(request: Request, caller: TenantContext | None) -> str:
     return caller.tenant_id
 
 
-@get("/v1/usage", security=TENANT_SECURITY, tags=["usage"], responses=error_responses(400, 401, 403))
+@get("/v1/usage", security=TENANT_SECURITY, tags=["usage"], responses=error_responses(400, 401, 403, 429))
 async def own_usage(
     request: Request,
     caller: NamedDependency[TenantContext | None],
@@ -182,7 +182,9 @@ async def tenant_latency(
     return LatencyOut.of(await _tenants(request).latency(tenant_id, start, end, group_by))
 
 
-@get("/v1/usage/latency", security=TENANT_SECURITY, tags=["usage"], responses=error_responses(400, 401, 403))
+@get(
+    "/v1/usage/latency", security=TENANT_SECURITY, tags=["usage"], responses=error_responses(400, 401, 403, 429)
+)
 async def own_latency(
     request: Request,
     caller: NamedDependency[TenantContext | None],
