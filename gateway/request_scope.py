@@ -21,6 +21,7 @@ and finishes it when the stream ends or is closed, even if it never started.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from gateway.fanout import Fanout, LifetimeExceededError
 from gateway.load_shedding import LoadShedder, Pending
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
-from gateway.validation import Dispatch
+from gateway.validation import Dispatch, Plan
 from observability.hub import TRACE_PARENT, Observability
 from observability.timeline import RequestTimeline
 from tenants.auth import TenantContext
@@ -68,7 +69,9 @@ class Serving:
 
 
 class RequestScope:
-    def __init__(self, serving: Serving, request_id: str, caller: TenantContext | None) -> None:
+    def __init__(
+        self, serving: Serving, request_id: str, caller: TenantContext | None, model: str | None
+    ) -> None:
         self.serving = serving
         self.request_id = request_id
         self.caller = caller
@@ -76,7 +79,7 @@ class RequestScope:
         self.ticket: Ticket | None = None
         self.ttft: float | None = None  # seconds to the first chunk of every choice
         self.completion: list[int] = []  # completion tokens of each choice, as last reported
-        self._model: str | None = None  # what the body asked for, until the dispatch resolves it
+        self._model = model  # what the body asked for, until the plan resolves it
         self._pending: Pending | None = None
         self._timeline: RequestTimeline | None = None
         self._fanout: Fanout | None = None
@@ -93,10 +96,12 @@ class RequestScope:
 
     # -- before the engine: dispatch, shed, admit -----------------------------------------------
 
-    def prepare(self, build: Callable[[], Dispatch], model: str | None) -> Dispatch:
-        """Validate and count the prompt (`build`); the tenant's tier becomes the engine priority."""
-        self._model = model
-        dispatch = build()
+    async def prepare(self, plan: Callable[[], Plan]) -> Dispatch:
+        """Check the request (`plan`), tokenize each distinct prompt once; the tenant's tier becomes
+        the engine priority."""
+        checked = plan()
+        self._model = checked.card.id
+        dispatch = await checked.tokenize(self.serving.driver, self.serving.settings.max_default_tokens)
         caller = self.caller
         if caller is not None:
             # The tenant's tier orders its work in the engine (lower = sooner); see tenants.models. A
@@ -105,9 +110,7 @@ class RequestScope:
                 msgspec.structs.replace(r, priority=max(caller.priority, r.priority), tenant_id=caller.tenant_id)
                 for r in dispatch.requests
             ]
-            dispatch = Dispatch(
-                dispatch.request_id, dispatch.model, requests, dispatch.prompt_tokens, dispatch.logprobs
-            )
+            dispatch = dataclasses.replace(dispatch, requests=requests)
         self.dispatch = dispatch
         self.completion = [0] * len(dispatch.requests)
         return dispatch

@@ -40,7 +40,7 @@ from gateway.render import (
 from gateway.request_scope import RequestScope, Serving
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ErrorDetail
 from gateway.settings import Settings
-from gateway.validation import Dispatch, chat_dispatch, completion_dispatch
+from gateway.validation import Dispatch, Plan, chat_plan, completion_plan
 from observability.hub import Observability
 from tenants.auth import TenantContext
 
@@ -71,27 +71,26 @@ class CompletionService:
         )
 
     async def chat(self, body: ChatCompletionRequest, rid: str, caller: TenantContext | None = None) -> Reply:
-        return await self._serve(body, rid, caller, chat_dispatch, ChatChunks, chat_completion)
+        return await self._serve(body, rid, caller, chat_plan, ChatChunks, chat_completion)
 
     async def completion(
         self, body: CompletionRequest, rid: str, caller: TenantContext | None = None
     ) -> Reply:
-        return await self._serve(body, rid, caller, completion_dispatch, CompletionChunks, text_completion)
+        return await self._serve(body, rid, caller, completion_plan, CompletionChunks, text_completion)
 
     async def _serve(
         self,
         body: _Body,
         rid: str,
         caller: TenantContext | None,
-        build: Callable[[_Body, str, Driver, int], Dispatch],
+        plan: Callable[[_Body, str, Driver], Plan],
         chunks: type[ChatChunks | CompletionChunks],
         whole: Callable[[str, int, str, list[ChoiceOutput], int, bool], msgspec.Struct],
     ) -> Reply:
         """The one path of both endpoints: dispatch, shed or admit, then stream or collect."""
         serving = Serving(self.driver, self.settings, self.metrics, self.shedder, self.gate, self.observability)
-        cap = self.settings.max_default_tokens
-        async with RequestScope(serving, rid, caller) as scope:
-            dispatch = scope.prepare(lambda: build(body, rid, self.driver, cap), body.model)
+        async with RequestScope(serving, rid, caller, body.model) as scope:
+            dispatch = await scope.prepare(lambda: plan(body, rid, self.driver))
             await scope.admit()
             await scope.open()
             created = int(time.time())
