@@ -1,6 +1,8 @@
 """Per-request tenant admission: budget and rate limits before dispatch, release and usage after.
 
-    admit()  -> Ticket       monthly budget, then RateLimiter.admit(prompt + max_tokens)
+    admit()  -> Ticket       monthly budget, then RateLimiter.admit: counts the request (and its
+                             concurrency slot) before its prompt is tokenized
+    reserve(ticket, tokens)  takes prompt + max_tokens from the tokens-per-minute bucket
     finish(ticket, ...)      RateLimiter.release(actual tokens) + one usage record; exactly once
     refuse(caller, ...)      a usage record for a request that never reached the engine
 
@@ -16,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ratelimit.base import RateLimiter, Reservation
+from ratelimit.base import Admission, RateLimiter, Reservation, TenantLimits
 from tenants.auth import TenantContext
 from tenants.errors import LimiterUnavailableError, QuotaExceededError, RateLimitedError
 from tenants.usage import MonthlyUsage, UsageEvent, UsageWriter
@@ -55,14 +57,28 @@ class TenantGate:
         admission = await self.limiter.admit(caller.tenant_id, request_id, caller.limits, tokens)
         if not admission.allowed:
             self.refuse(caller, request_id, model, "rate_limited")
-            reason = getattr(admission, "message", None) or f"Rate limit reached for {admission.refused_by}"
-            if admission.degraded:
-                raise LimiterUnavailableError(reason, max(1.0, admission.retry_after_s))
-            headers = dict(admission.headers)
-            if admission.retry_after_s > 0:
-                headers["retry-after"] = str(max(1, math.ceil(admission.retry_after_s)))
-            raise RateLimitedError(reason, admission.retry_after_s, headers)
+            raise _refusal(admission)
         return Ticket(caller, request_id, model, admission.reservation, dict(admission.headers))
+
+    async def reserve(self, ticket: Ticket, tokens: int) -> None:
+        """Take `tokens` (prompt + max_tokens) from the tokens-per-minute bucket of a request that
+        admit() counted, or raise RateLimited / LimiterUnavailable; finish() refunds what goes unused.
+
+        TODO(ratelimit): a `RateLimiter.reserve(reservation, tokens)` would do this in one step. Until
+        then, a second admission of the same request id under the tokens limit alone: it counts no
+        request and takes no second concurrency slot (both backends key requests in flight by id),
+        and its reservation, released by finish(), frees the slot the first one took.
+        """
+        tpm = ticket.caller.limits.tokens_per_minute
+        if tpm is None:
+            return
+        admission = await self.limiter.admit(
+            ticket.caller.tenant_id, ticket.request_id, TenantLimits(tokens_per_minute=tpm), tokens
+        )
+        if not admission.allowed:
+            raise _refusal(admission)
+        ticket.reservation = admission.reservation
+        ticket.headers.update(admission.headers)
 
     def finish(
         self,
@@ -107,3 +123,13 @@ class TenantGate:
         """Wait for refunds still in flight (shutdown)."""
         if self._releases:
             await asyncio.gather(*self._releases, return_exceptions=True)
+
+
+def _refusal(admission: Admission) -> RateLimitedError | LimiterUnavailableError:
+    reason = getattr(admission, "message", None) or f"Rate limit reached for {admission.refused_by}"
+    if admission.degraded:
+        return LimiterUnavailableError(reason, max(1.0, admission.retry_after_s))
+    headers = dict(admission.headers)
+    if admission.retry_after_s > 0:
+        headers["retry-after"] = str(max(1, math.ceil(admission.retry_after_s)))
+    return RateLimitedError(reason, admission.retry_after_s, headers)

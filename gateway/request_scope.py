@@ -1,21 +1,34 @@
-"""One API request in flight: everything it holds, from its dispatch to its one `finish()`.
+"""One API request in flight: everything it holds, from its arrival to its one `finish()`.
 
 A completion request takes up to five things while it runs, and each must be given back
 exactly once however the request ends (answered, refused, failed, timed out, client gone):
 
     what                 taken by                          given back by finish()
+    tenant ticket        TenantGate.admit -> Ticket        TenantGate.finish: refund + usage record
     shedder slot         LoadShedder.admit -> Pending      LoadShedder.finished
-    tenant ticket        TenantGate.admit -> Ticket        TenantGate.finish (refund + usage record)
-                                                           or TenantGate.refuse (refused before a ticket)
     timeline             Observability.start               Observability.finish (metrics, trace)
     in-flight gauge      metrics.in_flight.inc()           metrics.in_flight.dec()
     driver streams       Fanout.open                       Fanout.aclose (aborts in the engine)
 
-and it leaves one log line. `RequestScope` takes them in the order the request meets them and
-`finish(outcome)` gives back whatever was taken; it is idempotent, so the first outcome wins and
-any later call is a no-op. The service uses the scope as an async context manager (an exception
-finishes it with that exception's outcome); a streamed reply takes the scope over (`stream()`)
-and finishes it when the stream ends or is closed, even if it never started.
+and it leaves one log line. The way of a request, and what each step can refuse:
+
+    arrival (stamped before the body is read or the key checked; every duration starts here)
+    admit     count the request against the tenant's limits      429 (budget, requests, concurrency)
+    prepare   cheap checks, then each distinct prompt tokenized    400 / 404 / 503 (model loading)
+              once, off the event loop
+    reserve   shed what would miss its TTFT target, then take      503 (shed) / 429 (tokens)
+              prompt + max_tokens from the tenant's token bucket
+    open      the driver streams, up to the first chunk of each    503 (queue full, engine dead) / 400
+    chunks    ...
+    finish(outcome)
+
+`finish` charges the tenant what the engine computed and nothing else (docs/billing.md): the prompt
+of every prompt whose prefill produced a token, and the completion tokens the engine reported. A
+request refused or failed before its first token is charged nothing, and its reservation goes back.
+It is idempotent: the first outcome wins and any later call does nothing. The service uses the
+scope as an async context manager (an exception finishes it with that exception's outcome); a
+streamed reply takes the scope over (`stream()`) and finishes it when the stream ends or is
+closed, even if it never started.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -40,9 +54,21 @@ from gateway.validation import Dispatch, Plan
 from observability.hub import TRACE_PARENT, Observability
 from observability.timeline import RequestTimeline
 from tenants.auth import TenantContext
-from tenants.errors import TenantError
+from tenants.errors import LimiterUnavailableError, QuotaExceededError, RateLimitedError, TenantError
 
 log = logging.getLogger("sluice.gateway")
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """When the request reached the gateway, on both clocks."""
+
+    monotonic: float  # time.monotonic(): every duration of the request starts here
+    wall: float  # time.time(): for the trace, beside the engine's own timestamps
+
+    @classmethod
+    def now(cls) -> Arrival:
+        return cls(time.monotonic(), time.time())
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -51,6 +77,10 @@ def outcome_of(exc: BaseException) -> str:
         return "disconnected"
     if isinstance(exc, LifetimeExceededError):
         return "timeout"
+    if isinstance(exc, RateLimitedError | LimiterUnavailableError):
+        return "rate_limited"
+    if isinstance(exc, QuotaExceededError):
+        return "insufficient_quota"
     if isinstance(exc, DriverError | TenantError):
         return type(exc).__name__
     return "error"
@@ -70,22 +100,28 @@ class Serving:
 
 class RequestScope:
     def __init__(
-        self, serving: Serving, request_id: str, caller: TenantContext | None, model: str | None
+        self,
+        serving: Serving,
+        request_id: str,
+        caller: TenantContext | None,
+        arrival: Arrival,
+        model: str | None,
     ) -> None:
         self.serving = serving
         self.request_id = request_id
         self.caller = caller
+        self.arrival = arrival
         self.dispatch: Dispatch | None = None
         self.ticket: Ticket | None = None
-        self.ttft: float | None = None  # seconds to the first chunk of every choice
         self.completion: list[int] = []  # completion tokens of each choice, as last reported
-        self._model = model  # what the body asked for, until the plan resolves it
+        self._model = model or ""  # what the body asked for, until the plan resolves it
+        self._sequences = 0
         self._pending: Pending | None = None
         self._timeline: RequestTimeline | None = None
         self._fanout: Fanout | None = None
         self._in_flight = False  # counted in the gauge
-        self._opened_at = 0.0  # loop.time() when the driver streams were opened
-        self._usage_recorded = False  # the gate recorded a refusal itself
+        self._dispatched: float | None = None  # time.monotonic() when the driver streams were opened
+        self._first_chunks: float | None = None  # ... and when each had sent its first chunk
         self._handed_off = False  # a stream owns the scope now
         self._finished = False
 
@@ -94,13 +130,33 @@ class RequestScope:
         """x-ratelimit-* headers for the response."""
         return self.ticket.headers if self.ticket is not None else {}
 
-    # -- before the engine: dispatch, shed, admit -----------------------------------------------
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first chunk of every choice; None before that."""
+        return None if self._first_chunks is None else self._first_chunks - self.arrival.monotonic
+
+    # -- before the engine -------------------------------------------------------------------------
+
+    async def admit(self, sequences: int) -> None:
+        """Count the request against the tenant's limits (requests, concurrency, monthly budget)
+        before any expensive work: a request refused later (400 at dispatch, 503) still counts."""
+        self._sequences = sequences
+        gate, caller = self.serving.gate, self.caller
+        if gate is None or caller is None:
+            return
+        # TODO(ratelimit): pass `sequences=sequences` once TenantGate.admit takes it (the rate-limit
+        # branch adds it), so that one request of 64 prompts x n=8 counts as 512 sequences.
+        ticket = await gate.admit(caller, self.request_id, self._model, 0)
+        ticket.started = self.arrival.monotonic  # usage latency from arrival, like every figure here
+        self.ticket = ticket
 
     async def prepare(self, plan: Callable[[], Plan]) -> Dispatch:
-        """Check the request (`plan`), tokenize each distinct prompt once; the tenant's tier becomes
-        the engine priority."""
+        """Check the request (`plan`: no tokenizing), then tokenize each distinct prompt once; the
+        tenant's tier becomes the engine priority."""
         checked = plan()
         self._model = checked.card.id
+        if self.ticket is not None:
+            self.ticket.model = checked.card.id
         dispatch = await checked.tokenize(self.serving.driver, self.serving.settings.max_default_tokens)
         caller = self.caller
         if caller is not None:
@@ -115,10 +171,10 @@ class RequestScope:
         self.completion = [0] * len(dispatch.requests)
         return dispatch
 
-    async def admit(self) -> None:
+    async def reserve(self) -> None:
         """Refuse now (OverloadedError: 503 + Retry-After) what would miss its tier's TTFT target;
-        then the tenant's limits (the ticket reserves prompt + max_tokens)."""
-        dispatch = self._dispatched()
+        then reserve prompt + max_tokens from the tenant's token bucket (finish refunds the rest)."""
+        dispatch = self._dispatch()
         serving = self.serving
         first = dispatch.requests[0]
         max_tokens = sum(r.max_tokens or 0 for r in dispatch.requests)
@@ -129,41 +185,35 @@ class RequestScope:
             log.info("shed", extra={"request_id": self.request_id, "priority": first.priority, "reason": str(exc)})
             await self.finish("shed")
             raise
-        if serving.gate is None or self.caller is None:
-            return
-        try:
-            self.ticket = await serving.gate.admit(
-                self.caller, self.request_id, dispatch.model, dispatch.prompt_tokens + max_tokens
-            )
-        except TenantError:
-            self._usage_recorded = True  # the gate wrote the refusal's usage record
-            raise
+        if self.ticket is not None and serving.gate is not None:
+            await serving.gate.reserve(self.ticket, dispatch.prompt_tokens + max_tokens)
 
     # -- the engine ------------------------------------------------------------------------------
 
     async def open(self) -> None:
         """Start the driver streams and wait for the first chunk of every choice; errors so far are
         plain JSON responses."""
-        dispatch = self._dispatched()
+        dispatch = self._dispatch()
         serving = self.serving
         loop = asyncio.get_running_loop()
-        self._opened_at = loop.time()
-        self._fanout = Fanout(
-            serving.driver, dispatch.requests, deadline=self._opened_at + serving.settings.stream_timeout_s
-        )
+        self._dispatched = time.monotonic()
+        # The lifetime cap counts from arrival too: time spent before dispatch is the client's wait.
+        deadline = loop.time() + serving.settings.stream_timeout_s - (self._dispatched - self.arrival.monotonic)
+        self._fanout = Fanout(serving.driver, dispatch.requests, deadline=deadline)
         if serving.observability is not None:
             tenant = self.caller.tenant_id if self.ticket is not None and self.caller is not None else None
             operation = "chat" if self.request_id.startswith("chatcmpl") else "text_completion"
             self._timeline = serving.observability.start(
-                self.request_id, dispatch.model, operation, dispatch.requests, tenant, TRACE_PARENT.get()
+                self.request_id, dispatch.model, operation, dispatch.requests, tenant, TRACE_PARENT.get(),
+                arrived=self.arrival.wall,
             )
         serving.metrics.in_flight.inc()
         self._in_flight = True
         await self._fanout.open()
+        self._first_chunks = time.monotonic()
         if self._pending is not None:
             serving.shedder.started(self._pending)
-        self.ttft = loop.time() - self._opened_at
-        serving.metrics.ttft.labels(model=dispatch.model).observe(self.ttft)
+        serving.metrics.ttft.labels(model=dispatch.model).observe(self._first_chunks - self.arrival.monotonic)
 
     async def chunks(self) -> AsyncIterator[tuple[int, GenerationChunk]]:
         """Every chunk of every choice, recorded (timeline, completion tokens) before it is yielded."""
@@ -193,8 +243,20 @@ class RequestScope:
         elif not self._handed_off:
             await self.finish("ok")
 
+    def charged(self) -> tuple[int, int]:
+        """(prompt, completion) tokens the engine computed for this request, each counted once.
+
+        A prompt counts once its prefill produced a token for any of its choices (the n choices share
+        it; a recompute after preemption is not a second prefill); completion tokens are the engine's
+        running totals as last reported, which a recompute does not change."""
+        dispatch = self.dispatch
+        if dispatch is None:
+            return 0, 0
+        prefilled = {dispatch.prompt_of(i) for i, tokens in enumerate(self.completion) if tokens > 0}
+        return sum(dispatch.prompt_lengths[p] for p in prefilled), sum(self.completion)
+
     async def finish(self, outcome: str) -> None:
-        """Give back everything the request holds; the first call wins, later ones do nothing."""
+        """Give back everything the request holds and charge what ran; the first call wins."""
         if self._finished:
             return
         self._finished = True
@@ -205,42 +267,39 @@ class RequestScope:
             serving.shedder.finished(self._pending)
         if self._in_flight:
             serving.metrics.in_flight.dec()
+        prompt, completion = self.charged()
+        ended = time.monotonic()
+        ttft = self.ttft
+        if self._first_chunks is not None:  # a generation: it reached the engine's first tokens
+            metrics, model = serving.metrics, self._model
+            metrics.prompt_tokens.labels(model=model).inc(prompt)
+            metrics.completion_tokens.labels(model=model).inc(completion)
+            metrics.e2e.labels(model=model).observe(ended - self.arrival.monotonic)
         telemetry = self._end_timeline(outcome)
+        caller = self.caller
         dispatch = self.dispatch
-        gate, caller = serving.gate, self.caller
-        if dispatch is None or self.ttft is None:
-            # Never reached the engine's first token. A refusal before the ticket leaves its own record.
-            if self.ticket is not None and gate is not None and dispatch is not None:
-                await _settle(gate.finish(self.ticket, dispatch.prompt_tokens, 0, None, outcome))
-            elif gate is not None and caller is not None and not self._usage_recorded:
-                model = dispatch.model if dispatch is not None else self._model or ""
-                gate.refuse(caller, self.request_id, model, outcome)
-            return
-        total = sum(self.completion)
-        metrics = serving.metrics
-        metrics.prompt_tokens.labels(model=dispatch.model).inc(dispatch.prompt_tokens)
-        metrics.completion_tokens.labels(model=dispatch.model).inc(total)
-        elapsed = asyncio.get_running_loop().time() - self._opened_at
-        metrics.e2e.labels(model=dispatch.model).observe(elapsed)
         log.info(
-            "generation finished",
+            "request finished",
             extra={
                 "request_id": self.request_id,
-                "model": dispatch.model,
-                "n": len(dispatch.requests),
-                "prompt_tokens": dispatch.prompt_tokens,
-                "completion_tokens": total,
+                "model": self._model,
+                "n": self._sequences,
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
                 "outcome": outcome,
-                "duration_s": round(elapsed, 4),
-                "tenant": caller.tenant_id if self.ticket is not None and caller is not None else None,
+                # Every duration from arrival; dispatch_s is the gateway's share before the engine.
+                "duration_s": round(ended - self.arrival.monotonic, 4),
+                "ttft_s": None if ttft is None else round(ttft, 4),
+                "dispatch_s": None if self._dispatched is None else round(self._dispatched - self.arrival.monotonic, 4),
+                "tenant": caller.tenant_id if caller is not None else None,
                 **telemetry,
                 # Dropped by the log formatter unless SLUICE_LOG_PROMPTS=1; built only then.
                 **({"prompt": [r.prompt or r.messages or r.prompt_token_ids for r in dispatch.requests]}
-                   if serving.settings.log_prompts else {}),
+                   if serving.settings.log_prompts and dispatch is not None else {}),
             },
         )
-        if self.ticket is not None and gate is not None:
-            await _settle(gate.finish(self.ticket, dispatch.prompt_tokens, total, self.ttft, outcome))
+        if self.ticket is not None and serving.gate is not None:
+            await _settle(serving.gate.finish(self.ticket, prompt, completion, ttft, outcome))
 
     def _end_timeline(self, outcome: str) -> dict[str, object]:
         """Metrics and trace of the request; returns fields for its log line (node, trace id)."""
@@ -254,7 +313,7 @@ class RequestScope:
             log.exception("recording telemetry failed", extra={"request_id": self.request_id})
             return {}
 
-    def _dispatched(self) -> Dispatch:
+    def _dispatch(self) -> Dispatch:
         assert self.dispatch is not None, "prepare() first"
         return self.dispatch
 

@@ -7,9 +7,9 @@ byte is sent; errors after the stream has started become an SSE error event.
 A request runs inside one `RequestScope` (gateway/request_scope.py), which holds
 what it takes on the way and gives it all back once, in `finish()`:
 
-    dispatch (count prompt tokens) -> shed? (estimated queue wait vs the tier's TTFT target, 503)
-        -> gate.admit(prompt + max_tokens) -> driver
-        -> finish(outcome): refund + usage record, metrics, trace, log line; once
+    admit (count the request: 429) -> prepare (check, tokenize once: 400/404)
+        -> reserve (shed: 503; the tenant's tokens: 429) -> open (the driver, first chunks)
+        -> stream or collect -> finish(outcome): charge what ran, refund the rest, record; once
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from gateway.render import (
     sse_error,
     text_completion,
 )
-from gateway.request_scope import RequestScope, Serving
+from gateway.request_scope import Arrival, RequestScope, Serving
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ErrorDetail
 from gateway.settings import Settings
-from gateway.validation import Dispatch, Plan, chat_plan, completion_plan
+from gateway.validation import Dispatch, Plan, chat_plan, completion_plan, sequences
 from observability.hub import Observability
 from tenants.auth import TenantContext
 
@@ -70,28 +70,41 @@ class CompletionService:
             SheddingPolicy(settings.ttft_targets_s, settings.queue_share, settings.load_shedding)
         )
 
-    async def chat(self, body: ChatCompletionRequest, rid: str, caller: TenantContext | None = None) -> Reply:
-        return await self._serve(body, rid, caller, chat_plan, ChatChunks, chat_completion)
+    async def chat(
+        self,
+        body: ChatCompletionRequest,
+        rid: str,
+        caller: TenantContext | None = None,
+        arrival: Arrival | None = None,
+    ) -> Reply:
+        """`arrival`: when the request reached the gateway (default: now)."""
+        return await self._serve(body, rid, caller, arrival, chat_plan, ChatChunks, chat_completion)
 
     async def completion(
-        self, body: CompletionRequest, rid: str, caller: TenantContext | None = None
+        self,
+        body: CompletionRequest,
+        rid: str,
+        caller: TenantContext | None = None,
+        arrival: Arrival | None = None,
     ) -> Reply:
-        return await self._serve(body, rid, caller, completion_plan, CompletionChunks, text_completion)
+        return await self._serve(body, rid, caller, arrival, completion_plan, CompletionChunks, text_completion)
 
     async def _serve(
         self,
         body: _Body,
         rid: str,
         caller: TenantContext | None,
+        arrival: Arrival | None,
         plan: Callable[[_Body, str, Driver], Plan],
         chunks: type[ChatChunks | CompletionChunks],
         whole: Callable[[str, int, str, list[ChoiceOutput], int, bool], msgspec.Struct],
     ) -> Reply:
-        """The one path of both endpoints: dispatch, shed or admit, then stream or collect."""
+        """The one path of both endpoints: admit, prepare, reserve, open, then stream or collect."""
         serving = Serving(self.driver, self.settings, self.metrics, self.shedder, self.gate, self.observability)
-        async with RequestScope(serving, rid, caller, body.model) as scope:
+        async with RequestScope(serving, rid, caller, arrival or Arrival.now(), body.model) as scope:
+            await scope.admit(sequences(body))
             dispatch = await scope.prepare(lambda: plan(body, rid, self.driver))
-            await scope.admit()
+            await scope.reserve()
             await scope.open()
             created = int(time.time())
             logprobs = dispatch.logprobs is not None

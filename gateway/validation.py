@@ -132,6 +132,13 @@ def completion_plan(body: CompletionRequest, request_id: str, driver: Driver) ->
     return Plan(request_id, card, prompts, body.max_tokens, "prompt", body.n, body.seed, body.logprobs)
 
 
+def sequences(body: ChatCompletionRequest | CompletionRequest) -> int:
+    """Sequences the engine will run for `body` (prompts x n), read off it without any check."""
+    prompt = body.prompt if isinstance(body, CompletionRequest) else None
+    batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    return (len(prompt) if batch and prompt is not None else 1) * body.n
+
+
 def _check_length(card: ModelCard, characters: int, prompt_name: Literal["messages", "prompt"]) -> None:
     """Refuse, without tokenizing, a prompt too long for the context whatever its tokens.
 

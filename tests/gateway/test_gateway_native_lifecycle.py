@@ -1,5 +1,6 @@
 """A request's way through the gateway with the native engine and the bundled SmolLM2, in-process:
-each prompt is tokenized once and off the event loop.
+each prompt is tokenized once and off the event loop, and the tenant is charged compute done once
+(docs/billing.md: the cases only the real engine shows, preemption and the engine's own refusal).
 
 The tokenizer is the real one, wrapped to count its calls and to say when an encode is running.
 """
@@ -11,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -22,7 +24,6 @@ from gateway.app import create_app
 from gateway.settings import Settings
 from gateway.validation import MAX_BYTES_PER_TOKEN
 
-MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 8192  # the model's own: a ~1 MiB prompt passes the byte cap and is tokenized
 KV_BLOCKS, BLOCK_SIZE = 16, 16  # 256 tokens of KV cache: four requests of 100 tokens cannot run at once
 ADMIN = {"authorization": "Bearer native-lifecycle-admin"}
@@ -155,3 +156,43 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_without_tokenizing(na
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "messages"
     assert native.tokenizer.encodes == before
+
+
+def test_preempted_and_recomputed_requests_are_charged_once(native: Native) -> None:
+    _, headers = native.tenant()
+    preemptions_before = native.client.get("/v1/engine/stats").json()["preemptions"]
+    body = {"prompt": "Count from one to one hundred: one, two, three,", "max_tokens": 80,
+            "ignore_eos": True, "temperature": 0}
+
+    def one(_: int) -> dict[str, int]:
+        resp = native.client.post("/v1/completions", json=body, headers=headers)
+        assert resp.status_code == 200, resp.text
+        usage: dict[str, int] = resp.json()["usage"]
+        return usage
+
+    with ThreadPoolExecutor(4) as pool:
+        reported = list(pool.map(one, range(4)))
+    # Four requests of ~100 tokens in a 256-token cache: some were preempted and recomputed (the
+    # engine's figures reach the gateway a moment later).
+    deadline = time.monotonic() + 60
+    while native.client.get("/v1/engine/stats").json()["preemptions"] <= preemptions_before:
+        assert time.monotonic() < deadline, "no request was preempted"
+        time.sleep(0.1)
+    assert all(u["completion_tokens"] == 80 for u in reported)
+    usage = native.usage(headers, requests=4)
+    assert usage["prompt_tokens"] == sum(u["prompt_tokens"] for u in reported)
+    assert usage["completion_tokens"] == 4 * 80
+
+
+def test_a_request_the_engine_refuses_is_not_charged(native: Native) -> None:
+    _, headers = native.tenant(tokens_per_minute=10_000)
+    # Fits the context, not the 256-token KV cache: the engine refuses it (400) after admission.
+    body = {"prompt": "story " * 2000, "max_tokens": 1}
+    refused = native.client.post("/v1/completions", json=body, headers=headers)
+    assert refused.status_code == 400, refused.text
+    assert native.usage(headers, requests=1) == {"requests": 1, "prompt_tokens": 0, "completion_tokens": 0}
+    # Its reservation went back in full: the next request sees the whole bucket minus its own.
+    ok = native.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers=headers)
+    assert ok.status_code == 200, ok.text
+    reserved = ok.json()["usage"]["prompt_tokens"] + 1
+    assert int(ok.headers["x-ratelimit-remaining-tokens"]) >= 10_000 - reserved
