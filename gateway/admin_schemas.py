@@ -1,7 +1,8 @@
 """Wire format of the admin API and /v1/usage: request bodies (with their constraints) and replies.
 
 Constraints live here as msgspec `Meta` so a bad body is a 400 naming the
-field and the OpenAPI schema shows the ranges.
+field and the OpenAPI schema shows the ranges. Every range is one its column
+holds on SQLite and PostgreSQL alike (the bounds are in tenants/bounds.py).
 """
 
 from __future__ import annotations
@@ -12,34 +13,64 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from tenants.bounds import (
+    INT32_MAX,
+    KEY_NAME_CHARS,
+    NAME_PATTERN,
+    SAFE_INT_MAX,
+    TENANT_NAME_CHARS,
+    WEIGHT_MAX,
+    WEIGHT_MIN,
+)
 from tenants.latency import LatencyGroup, LatencyReport, Percentiles
 from tenants.models import ApiKey, Tenant
 from tenants.service import UsageReport
 
-Name = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"\S")]
+_NAME_DOC = "at least one visible character; no control characters"
+TenantName = Annotated[
+    str, Meta(min_length=1, max_length=TENANT_NAME_CHARS, pattern=NAME_PATTERN, description=_NAME_DOC)
+]
+KeyName = Annotated[
+    str, Meta(min_length=1, max_length=KEY_NAME_CHARS, pattern=NAME_PATTERN, description=_NAME_DOC)
+]
 Priority = Annotated[int, Meta(ge=0, le=2, description="0 premium, 1 standard, 2 batch (lower runs first)")]
-PerMinute = Annotated[int, Meta(ge=1)]
+PerMinute = Annotated[int, Meta(ge=1, le=SAFE_INT_MAX)]
+Concurrency = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+Budget = Annotated[int, Meta(ge=1, le=SAFE_INT_MAX, description="tokens per calendar month (UTC)")]
+Weight = Annotated[
+    float,
+    Meta(
+        ge=WEIGHT_MIN,
+        le=WEIGHT_MAX,
+        description="fair-share weight relative to other tenants",
+    ),
+]
 Status = Literal["active", "suspended"]
+AwareDateTime = Annotated[
+    dt.datetime, Meta(tz=True, description="with a timezone, e.g. 2030-01-01T00:00:00Z")
+]
 
 
 class TenantCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: Name
+    name: TenantName
     priority: Priority = 1
     requests_per_minute: PerMinute | None = 60
     tokens_per_minute: PerMinute | None = 100_000
-    max_concurrent: PerMinute | None = 8
-    monthly_token_budget: PerMinute | None = None  # None: unlimited
+    max_concurrent: Concurrency | None = 8
+    monthly_token_budget: Budget | None = None  # None: unlimited
+    weight: Weight = 1.0
 
 
 class TenantUpdate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Only the fields sent change; null sets a limit to unlimited."""
 
-    name: Name | UnsetType = UNSET
+    name: TenantName | UnsetType = UNSET
     priority: Priority | UnsetType = UNSET
     requests_per_minute: PerMinute | None | UnsetType = UNSET
     tokens_per_minute: PerMinute | None | UnsetType = UNSET
-    max_concurrent: PerMinute | None | UnsetType = UNSET
-    monthly_token_budget: PerMinute | None | UnsetType = UNSET
+    max_concurrent: Concurrency | None | UnsetType = UNSET
+    monthly_token_budget: Budget | None | UnsetType = UNSET
+    weight: Weight | UnsetType = UNSET
     status: Status | UnsetType = UNSET
 
     def changes(self) -> dict[str, object]:
@@ -54,6 +85,7 @@ class TenantOut(msgspec.Struct, kw_only=True):
     tokens_per_minute: int | None
     max_concurrent: int | None
     monthly_token_budget: int | None
+    weight: float
     status: Status
     created_at: dt.datetime
     updated_at: dt.datetime
@@ -69,6 +101,7 @@ class TenantOut(msgspec.Struct, kw_only=True):
             tokens_per_minute=t.tokens_per_minute,
             max_concurrent=t.max_concurrent,
             monthly_token_budget=t.monthly_token_budget,
+            weight=t.weight,
             status="suspended" if t.status == "suspended" else "active",
             created_at=t.created_at,
             updated_at=t.updated_at,
@@ -81,8 +114,8 @@ class TenantList(msgspec.Struct):
 
 
 class KeyCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: Name
-    expires_at: dt.datetime | None = None  # with a timezone, e.g. 2030-01-01T00:00:00Z
+    name: KeyName
+    expires_at: AwareDateTime | None = None
 
 
 class KeyOut(msgspec.Struct, kw_only=True):

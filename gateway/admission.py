@@ -1,13 +1,19 @@
 """Per-request tenant admission: budget and rate limits before dispatch, release and usage after.
 
-    admit()  -> Ticket       monthly budget, then RateLimiter.admit: counts the request (and its
-                             concurrency slot) before its prompt is tokenized
-    reserve(ticket, tokens)  takes prompt + max_tokens from the tokens-per-minute bucket
-    finish(ticket, ...)      RateLimiter.release(actual tokens) + one usage record; exactly once
-    refuse(caller, ...)      a usage record for a request that never reached the engine
+    count(caller, ...)       monthly budget, then the request against requests_per_minute: before its
+                             prompt is tokenized, so a request refused later still counts
+    admit(..., tokens, sequences) -> Ticket   monthly budget, then RateLimiter.admit(prompt + max_tokens,
+                                              prompts x n sequences against max_concurrent)
+    finish(ticket, ...)      the request ran: RateLimiter.release(actual tokens) + one usage record
+    cancel(ticket, status)   it was refused or failed before it ran: every reserved token back,
+                             a usage record of 0 tokens
+    refuse(caller, ...)      a usage record of 0 tokens for a request that was never admitted
 
-`finish` runs the release as its own task so a client disconnect (which cancels
-the request's task) can never cancel a refund half-way; callers may await it.
+A ticket ends in exactly one `finish` or `cancel` (the later calls do nothing), so
+its slots are freed and its tokens refunded once. Both run the release as its own
+task so a client disconnect (which cancels the request's task) can never cancel a
+refund half-way; callers may await it. A disconnect during `admit` is the
+limiter's to undo (`RateLimiter.admit`).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ratelimit.base import Admission, RateLimiter, Reservation, TenantLimits
 from tenants.auth import TenantContext
@@ -46,39 +52,55 @@ class TenantGate:
         self.monthly = monthly
         self._releases: set[asyncio.Task[None]] = set()
 
-    async def admit(self, caller: TenantContext, request_id: str, model: str, tokens: int) -> Ticket:
-        """Charge `tokens` (prompt + max_tokens) or raise QuotaExceeded / RateLimited / LimiterUnavailable."""
+    async def count(self, caller: TenantContext, request_id: str, model: str) -> dict[str, str]:
+        """Count the request against requests_per_minute (after the monthly budget), before the
+        expensive work, or raise QuotaExceeded / RateLimited / LimiterUnavailable; returns its
+        x-ratelimit-*-requests headers. `admit(..., counted=True)` then skips the request limit.
+
+        TODO(ratelimit): a counting-only RateLimiter call would save a round trip. Until then, an
+        admission of its own id (`<request id>/count`) under the request limit alone, released at
+        once: its lease holds no slot any longer than that, and no token."""
+        await self._check_budget(caller, request_id, model)
+        rpm = caller.limits.requests_per_minute
+        if rpm is None:
+            return {}
+        admission = await self.limiter.admit(
+            caller.tenant_id, f"{request_id}/count", TenantLimits(requests_per_minute=rpm), 0
+        )
+        if not admission.allowed:
+            self.refuse(caller, request_id, model, "rate_limited")
+            raise _refusal(admission)
+        if admission.reservation is not None:
+            self._track(asyncio.create_task(self.limiter.release(admission.reservation, 0)))
+        return dict(admission.headers)
+
+    async def admit(
+        self,
+        caller: TenantContext,
+        request_id: str,
+        model: str,
+        tokens: int,
+        sequences: int = 1,
+        counted: bool = False,
+    ) -> Ticket:
+        """Charge `tokens` (prompt + max_tokens) and `sequences` (prompts x n) concurrency slots,
+        and the request itself unless `count()` did (`counted`), or raise QuotaExceeded /
+        RateLimited / LimiterUnavailable."""
+        await self._check_budget(caller, request_id, model)
+        limits = replace(caller.limits, requests_per_minute=None) if counted else caller.limits
+        admission = await self.limiter.admit(caller.tenant_id, request_id, limits, tokens, sequences)
+        if not admission.allowed:
+            self.refuse(caller, request_id, model, "rate_limited")
+            raise _refusal(admission)
+        return Ticket(caller, request_id, model, admission.reservation, dict(admission.headers))
+
+    async def _check_budget(self, caller: TenantContext, request_id: str, model: str) -> None:
         budget = caller.monthly_token_budget
         if budget is not None and await self.monthly.used(caller.tenant_id) >= budget:
             self.refuse(caller, request_id, model, "insufficient_quota")
             raise QuotaExceededError(
                 f"Tenant '{caller.tenant_name}' has used its monthly budget of {budget} tokens"
             )
-        admission = await self.limiter.admit(caller.tenant_id, request_id, caller.limits, tokens)
-        if not admission.allowed:
-            self.refuse(caller, request_id, model, "rate_limited")
-            raise _refusal(admission)
-        return Ticket(caller, request_id, model, admission.reservation, dict(admission.headers))
-
-    async def reserve(self, ticket: Ticket, tokens: int) -> None:
-        """Take `tokens` (prompt + max_tokens) from the tokens-per-minute bucket of a request that
-        admit() counted, or raise RateLimited / LimiterUnavailable; finish() refunds what goes unused.
-
-        TODO(ratelimit): a `RateLimiter.reserve(reservation, tokens)` would do this in one step. Until
-        then, a second admission of the same request id under the tokens limit alone: it counts no
-        request and takes no second concurrency slot (both backends key requests in flight by id),
-        and its reservation, released by finish(), frees the slot the first one took.
-        """
-        tpm = ticket.caller.limits.tokens_per_minute
-        if tpm is None:
-            return
-        admission = await self.limiter.admit(
-            ticket.caller.tenant_id, ticket.request_id, TenantLimits(tokens_per_minute=tpm), tokens
-        )
-        if not admission.allowed:
-            raise _refusal(admission)
-        ticket.reservation = admission.reservation
-        ticket.headers.update(admission.headers)
 
     def finish(
         self,
@@ -88,12 +110,31 @@ class TenantGate:
         ttft_s: float | None,
         status: str,
     ) -> asyncio.Task[None] | None:
-        """Release the reservation and record usage; the returned task completes the release."""
+        """The request ran: refund what it did not use, free its slots and record its usage.
+
+        Returns the task that completes the release (None when there is nothing to release)."""
         if ticket.finished:
             return None
         ticket.finished = True
         total = prompt_tokens + completion_tokens
         self.monthly.add(ticket.caller.tenant_id, total)
+        self._record(ticket, prompt_tokens, completion_tokens, ttft_s, status)
+        return self._release(ticket, total)
+
+    def cancel(self, ticket: Ticket, status: str) -> asyncio.Task[None] | None:
+        """The admitted request was refused or failed before it ran (queue full, engine dead, a 4xx):
+        give back every token it reserved, free its slots, record usage of 0 tokens.
+
+        Exactly once with `finish`: whichever comes first counts. Returns the release's task."""
+        if ticket.finished:
+            return None
+        ticket.finished = True
+        self._record(ticket, 0, 0, None, status)
+        return self._release(ticket, 0)
+
+    def _record(
+        self, ticket: Ticket, prompt_tokens: int, completion_tokens: int, ttft_s: float | None, status: str
+    ) -> None:
         self.usage.record(
             UsageEvent(
                 request_id=ticket.request_id,
@@ -107,14 +148,20 @@ class TenantGate:
                 status=status,
             )
         )
+
+    def _release(self, ticket: Ticket, tokens_used: int) -> asyncio.Task[None] | None:
         if ticket.reservation is None:
             return None
-        task = asyncio.create_task(self.limiter.release(ticket.reservation, total))
+        return self._track(asyncio.create_task(self.limiter.release(ticket.reservation, tokens_used)))
+
+    def _track(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
         return task
 
     def refuse(self, caller: TenantContext, request_id: str, model: str, status: str) -> None:
+        """A request refused before it was admitted (bad input, shed, budget, limits): usage of 0 tokens,
+        nothing to release."""
         self.usage.record(
             UsageEvent(request_id, caller.tenant_id, caller.key_id, model, 0, 0, None, 0.0, status)
         )

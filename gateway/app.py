@@ -69,7 +69,7 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
     @asynccontextmanager
     async def tenancy_lifespan(_: Litestar) -> AsyncGenerator[None, None]:
         # Runs inside driver_lifespan: on shutdown, usage and refunds are flushed before the driver stops.
-        tenancy, first_start = await Tenancy.start(settings)
+        tenancy, first_start = await Tenancy.start(settings, metrics.registry)
         if first_start is not None:
             _announce_first_start(first_start, settings)
         state["tenancy"] = tenancy

@@ -4,7 +4,9 @@ A completion request takes up to five things while it runs, and each must be giv
 exactly once however the request ends (answered, refused, failed, timed out, client gone):
 
     what                 taken by                          given back by finish()
-    tenant ticket        TenantGate.admit -> Ticket        TenantGate.finish: refund + usage record
+    tenant ticket        TenantGate.admit -> Ticket        TenantGate.finish (it ran: refund the rest)
+                                                           or .cancel (it did not: refund it all),
+                                                           each with the usage record; exactly once
     shedder slot         LoadShedder.admit -> Pending      LoadShedder.finished
     timeline             Observability.start               Observability.finish (metrics, trace)
     in-flight gauge      metrics.in_flight.inc()           metrics.in_flight.dec()
@@ -13,11 +15,13 @@ exactly once however the request ends (answered, refused, failed, timed out, cli
 and it leaves one log line. The way of a request, and what each step can refuse:
 
     arrival (stamped before the body is read or the key checked; every duration starts here)
-    admit     count the request against the tenant's limits      429 (budget, requests, concurrency)
+    admit     count the request against the tenant's budget and    429 (budget, requests per minute)
+              request limit, before anything expensive
     prepare   cheap checks, then each distinct prompt tokenized    400 / 404 / 503 (model loading)
               once, off the event loop
-    reserve   shed what would miss its TTFT target, then take      503 (shed) / 429 (tokens)
-              prompt + max_tokens from the tenant's token bucket
+    reserve   shed what would miss its TTFT target, then the       503 (shed) / 429 (tokens,
+              tenant's ticket: prompt + max_tokens from its token  concurrency)
+              bucket, one concurrency slot per sequence
     open      the driver streams, up to the first chunk of each    503 (queue full, engine dead) / 400
     chunks    ...
     finish(outcome)
@@ -115,7 +119,8 @@ class RequestScope:
         self.ticket: Ticket | None = None
         self.completion: list[int] = []  # completion tokens of each choice, as last reported
         self._model = model or ""  # what the body asked for, until the plan resolves it
-        self._sequences = 0
+        self._counted: dict[str, str] | None = None  # x-ratelimit-*-requests once the request counted
+        self._usage_recorded = False  # the gate wrote the refusal's usage record itself
         self._pending: Pending | None = None
         self._timeline: RequestTimeline | None = None
         self._fanout: Fanout | None = None
@@ -127,8 +132,8 @@ class RequestScope:
 
     @property
     def headers(self) -> dict[str, str]:
-        """x-ratelimit-* headers for the response."""
-        return self.ticket.headers if self.ticket is not None else {}
+        """x-ratelimit-* headers for the response (requests: from the count; tokens: the ticket)."""
+        return {**(self._counted or {}), **(self.ticket.headers if self.ticket is not None else {})}
 
     @property
     def ttft(self) -> float | None:
@@ -137,26 +142,23 @@ class RequestScope:
 
     # -- before the engine -------------------------------------------------------------------------
 
-    async def admit(self, sequences: int) -> None:
-        """Count the request against the tenant's limits (requests, concurrency, monthly budget)
-        before any expensive work: a request refused later (400 at dispatch, 503) still counts."""
-        self._sequences = sequences
+    async def admit(self) -> None:
+        """Count the request against the tenant's monthly budget and requests per minute before any
+        expensive work: a request refused later (400 at dispatch, 503) still counts."""
         gate, caller = self.serving.gate, self.caller
         if gate is None or caller is None:
             return
-        # TODO(ratelimit): pass `sequences=sequences` once TenantGate.admit takes it (the rate-limit
-        # branch adds it), so that one request of 64 prompts x n=8 counts as 512 sequences.
-        ticket = await gate.admit(caller, self.request_id, self._model, 0)
-        ticket.started = self.arrival.monotonic  # usage latency from arrival, like every figure here
-        self.ticket = ticket
+        try:
+            self._counted = await gate.count(caller, self.request_id, self._model)
+        except TenantError:
+            self._usage_recorded = True
+            raise
 
     async def prepare(self, plan: Callable[[], Plan]) -> Dispatch:
         """Check the request (`plan`: no tokenizing), then tokenize each distinct prompt once; the
         tenant's tier becomes the engine priority."""
         checked = plan()
         self._model = checked.card.id
-        if self.ticket is not None:
-            self.ticket.model = checked.card.id
         dispatch = await checked.tokenize(self.serving.driver, self.serving.settings.max_default_tokens)
         caller = self.caller
         if caller is not None:
@@ -185,8 +187,19 @@ class RequestScope:
             log.info("shed", extra={"request_id": self.request_id, "priority": first.priority, "reason": str(exc)})
             await self.finish("shed")
             raise
-        if self.ticket is not None and serving.gate is not None:
-            await serving.gate.reserve(self.ticket, dispatch.prompt_tokens + max_tokens)
+        gate, caller = serving.gate, self.caller
+        if gate is None or caller is None:
+            return
+        try:
+            ticket = await gate.admit(
+                caller, self.request_id, dispatch.model, dispatch.prompt_tokens + max_tokens,
+                sequences=len(dispatch.requests), counted=True,
+            )
+        except TenantError:
+            self._usage_recorded = True
+            raise
+        ticket.started = self.arrival.monotonic  # usage latency from arrival, like every figure here
+        self.ticket = ticket
 
     # -- the engine ------------------------------------------------------------------------------
 
@@ -283,7 +296,7 @@ class RequestScope:
             extra={
                 "request_id": self.request_id,
                 "model": self._model,
-                "n": self._sequences,
+                "n": len(dispatch.requests) if dispatch is not None else None,  # sequences: prompts x n
                 "prompt_tokens": prompt,
                 "completion_tokens": completion,
                 "outcome": outcome,
@@ -298,8 +311,16 @@ class RequestScope:
                    if serving.settings.log_prompts and dispatch is not None else {}),
             },
         )
-        if self.ticket is not None and serving.gate is not None:
-            await _settle(serving.gate.finish(self.ticket, prompt, completion, ttft, outcome))
+        gate = serving.gate
+        if gate is None or caller is None:
+            return
+        if self.ticket is None:  # refused before its ticket: nothing reserved, only the record
+            if not self._usage_recorded:
+                gate.refuse(caller, self.request_id, self._model, outcome)
+        elif prompt or completion:
+            await _settle(gate.finish(self.ticket, prompt, completion, ttft, outcome))
+        else:  # nothing ran: every reserved token back
+            await _settle(gate.cancel(self.ticket, outcome))
 
     def _end_timeline(self, outcome: str) -> dict[str, object]:
         """Metrics and trace of the request; returns fields for its log line (node, trace id)."""

@@ -40,7 +40,7 @@ from gateway.render import (
 from gateway.request_scope import Arrival, RequestScope, Serving
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, ErrorDetail
 from gateway.settings import Settings
-from gateway.validation import Dispatch, Plan, chat_plan, completion_plan, sequences
+from gateway.validation import Dispatch, Plan, chat_plan, completion_plan
 from observability.hub import Observability
 from tenants.auth import TenantContext
 
@@ -102,7 +102,7 @@ class CompletionService:
         """The one path of both endpoints: admit, prepare, reserve, open, then stream or collect."""
         serving = Serving(self.driver, self.settings, self.metrics, self.shedder, self.gate, self.observability)
         async with RequestScope(serving, rid, caller, arrival or Arrival.now(), body.model) as scope:
-            await scope.admit(sequences(body))
+            await scope.admit()
             dispatch = await scope.prepare(lambda: plan(body, rid, self.driver))
             await scope.reserve()
             await scope.open()

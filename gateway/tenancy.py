@@ -2,23 +2,30 @@
 
 Built from `Settings` at the edge and started/stopped by the app's lifespan.
 Startup migrates the database (alembic upgrade head) and sets up the admin
-key; shutdown flushes every usage record and refund before closing.
+key; shutdown flushes every usage record and refund before closing. The usage
+writer's counters are exported on the app's Prometheus registry
+(`UsageWriterCollector`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.admission import TenantGate
 from gateway.settings import Settings
-from ratelimit.base import FailMode, RateLimiter
-from tenants.auth import AdminAuthenticator, KeyAuthenticator
+from ratelimit.base import FailMode, RateLimiter, lease_for
+from tenants.auth import AdminAuthenticator, KeyAuthenticator, KeyCacheConfig
 from tenants.db import create_engine, default_sqlite_url, run_migrations, session_factory
+from tenants.report_limit import ReportLimiter
 from tenants.service import TenantService, TenantSpec
-from tenants.usage import MonthlyUsage, UsageWriter
+from tenants.usage import MonthlyUsage, UsageWriter, UsageWriterConfig
 
 log = logging.getLogger("sluice.gateway")
 
@@ -32,7 +39,10 @@ def create_limiter(settings: Settings) -> RateLimiter:
     from ratelimit.registry import create_rate_limiter
 
     return create_rate_limiter(
-        settings.redis_url, FailMode(settings.ratelimit_fail_mode), timeout_s=settings.ratelimit_timeout_s
+        settings.redis_url,
+        FailMode(settings.ratelimit_fail_mode),
+        timeout_s=settings.ratelimit_timeout_s,
+        lease_s=lease_for(settings.stream_timeout_s),  # no request outlives its stream timeout
     )
 
 
@@ -46,6 +56,43 @@ class FirstStartKeys:
     tenant_key: str | None
 
 
+class UsageWriterCollector(Collector):
+    """The usage writer's counters as Prometheus metrics, read at scrape time."""
+
+    def __init__(self, writer: UsageWriter) -> None:
+        self.writer = writer
+
+    def collect(self) -> Iterator[Metric]:
+        w = self.writer
+        for name, doc, value in (
+            ("sluice_usage_rows_written", "Usage records written to the database", w.written),
+            (
+                "sluice_usage_rows_rejected",
+                "Usage records the database refused, isolated from their batch, logged and not written",
+                w.rejected,
+            ),
+            (
+                "sluice_usage_rows_overflowed",
+                "Usage records dropped because the in-memory buffer was full (database down or far behind)",
+                w.overflowed,
+            ),
+            (
+                "sluice_usage_rows_lost",
+                "Usage records still buffered when shutdown gave up on the database",
+                w.lost,
+            ),
+            (
+                "sluice_usage_write_failures",
+                "Usage writes that found the database unavailable",
+                w.failed_writes,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily(
+            "sluice_usage_rows_buffered", "Usage records waiting to be written", value=w.buffered
+        )
+
+
 @dataclass
 class Tenancy:
     engine: AsyncEngine
@@ -55,18 +102,24 @@ class Tenancy:
     admin: AdminAuthenticator
     gate: TenantGate
     usage: UsageWriter
+    reports: ReportLimiter
+    registry: CollectorRegistry | None = None
+    collector: UsageWriterCollector | None = None
 
     @classmethod
-    async def start(cls, settings: Settings) -> tuple[Tenancy, FirstStartKeys | None]:
-        """The running tenancy and, on a first start without SLUICE_ADMIN_KEY, the keys it made."""
+    async def start(
+        cls, settings: Settings, registry: CollectorRegistry | None = None
+    ) -> tuple[Tenancy, FirstStartKeys | None]:
+        """The running tenancy and, on a first start without SLUICE_ADMIN_KEY, the keys it made.
+        With `registry`, the usage writer's counters are exported there until stop()."""
         engine = create_engine(database_url(settings))
         await run_migrations(engine)
         sessions = session_factory(engine)
         admin, generated = await AdminAuthenticator.setup(sessions, settings.admin_key)
-        usage = UsageWriter(sessions, flush_interval_s=settings.usage_flush_interval_s)
+        usage = UsageWriter(sessions, UsageWriterConfig(flush_interval_s=settings.usage_flush_interval_s))
         usage.start()
         gate = TenantGate(create_limiter(settings), usage, MonthlyUsage(sessions))
-        keys = KeyAuthenticator(sessions, cache_ttl_s=settings.auth_cache_ttl_s)
+        keys = KeyAuthenticator(sessions, KeyCacheConfig(ttl_s=settings.auth_cache_ttl_s))
         tenants = TenantService(sessions)
         first: FirstStartKeys | None = None
         if generated:
@@ -75,12 +128,22 @@ class Tenancy:
                 tenant = await tenants.create_tenant(TenantSpec(name="default"))
                 _, tenant_key = await tenants.create_key(tenant.id, "quickstart")
             first = FirstStartKeys(generated, tenant_key)
-        return cls(engine, sessions, tenants, keys, admin, gate, usage), first
+        tenancy = cls(engine, sessions, tenants, keys, admin, gate, usage, ReportLimiter())
+        if registry is not None:
+            tenancy.registry, tenancy.collector = registry, UsageWriterCollector(usage)
+            registry.register(tenancy.collector)
+        return tenancy, first
 
     async def stop(self) -> None:
         await self.gate.close()  # refunds first: they may still be running
         await self.usage.close()
         await self.gate.limiter.close()
         await self.engine.dispose()
-        if self.usage.dropped:
-            log.error("usage records lost", extra={"count": self.usage.dropped})
+        if self.registry is not None and self.collector is not None:
+            self.registry.unregister(self.collector)
+        u = self.usage
+        if u.dropped:
+            log.error(
+                "usage records lost",
+                extra={"rejected": u.rejected, "overflowed": u.overflowed, "lost": u.lost},
+            )

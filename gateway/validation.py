@@ -67,11 +67,6 @@ class Plan:
     seed: int | None
     logprobs: int | None
 
-    @property
-    def sequences(self) -> int:
-        """Sequences the engine will run: prompts x n."""
-        return len(self.prompts) * self.n
-
     async def tokenize(self, driver: Driver, default_cap: int) -> Dispatch:
         """Tokenize each distinct prompt once and check that it fits with its completion budget."""
         ready: list[GenerationRequest] = []
@@ -130,13 +125,6 @@ def completion_plan(body: CompletionRequest, request_id: str, driver: Driver) ->
         else:
             prompts.append(msgspec.structs.replace(base, prompt_token_ids=prompt))
     return Plan(request_id, card, prompts, body.max_tokens, "prompt", body.n, body.seed, body.logprobs)
-
-
-def sequences(body: ChatCompletionRequest | CompletionRequest) -> int:
-    """Sequences the engine will run for `body` (prompts x n), read off it without any check."""
-    prompt = body.prompt if isinstance(body, CompletionRequest) else None
-    batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-    return (len(prompt) if batch and prompt is not None else 1) * body.n
 
 
 def _check_length(card: ModelCard, characters: int, prompt_name: Literal["messages", "prompt"]) -> None:

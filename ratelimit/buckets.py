@@ -80,8 +80,9 @@ class Verdict:
     message: str | None = None
 
 
-def never_admissible(limits: TenantLimits, tokens: int) -> Verdict | None:
-    """A refusal (retry_after_s 0, with a message) if the request could not pass even on full buckets."""
+def never_admissible(limits: TenantLimits, tokens: int, sequences: int = 1) -> Verdict | None:
+    """A refusal (retry_after_s 0, with a message) if the request could not pass even on full buckets
+    and no other request in flight."""
     rpm, tpm, cap = limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent
     if rpm is not None and rpm < 1:
         return Verdict(False, "requests", 0.0, "requests_per_minute is 0: this tenant may not send requests")
@@ -95,20 +96,34 @@ def never_admissible(limits: TenantLimits, tokens: int) -> Verdict | None:
         )
     if cap is not None and cap < 1:
         return Verdict(False, "concurrency", 0.0, "max_concurrent is 0: this tenant may not send requests")
+    if cap is not None and sequences > cap:
+        return Verdict(
+            False,
+            "concurrency",
+            0.0,
+            f"request runs {sequences} sequences (prompts x n) but the limit is {cap} concurrent "
+            "sequences: it can never be admitted; lower n or send fewer prompts per request",
+        )
     return None
 
 
 def decide(
-    limits: TenantLimits, requests_level: float, tokens_level: float, in_flight: int, tokens: int
+    limits: TenantLimits,
+    requests_level: float,
+    tokens_level: float,
+    in_flight: int,
+    tokens: int,
+    sequences: int = 1,
 ) -> Verdict:
-    """Admit only if every limit has room: 1 request, `tokens` tokens and a concurrency slot.
+    """Admit only if every limit has room: 1 request, `tokens` tokens and `sequences` concurrency slots.
 
     `requests_level` / `tokens_level` are already refilled to now (ignored for an
-    unlimited bucket). A refusal names the first short limit in the order
-    requests, tokens, concurrency, and its retry-after is the longest wait among
-    all short limits, so a retry at that time is not refused by another one.
+    unlimited bucket); `in_flight` is the sequences of the live leases. A refusal
+    names the first short limit in the order requests, tokens, concurrency, and its
+    retry-after is the longest wait among all short limits, so a retry at that time
+    is not refused by another one.
     """
-    never = never_admissible(limits, tokens)
+    never = never_admissible(limits, tokens, sequences)
     if never is not None:
         return never
     rpm, tpm, cap = limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent
@@ -117,7 +132,7 @@ def decide(
         short.append(("requests", TokenBucket(rpm).wait_s(requests_level, 1)))
     if tpm is not None and tokens_level < tokens:
         short.append(("tokens", TokenBucket(tpm).wait_s(tokens_level, tokens)))
-    if cap is not None and in_flight >= cap:
+    if cap is not None and in_flight + sequences > cap:
         short.append(("concurrency", CONCURRENCY_RETRY_S))
     if not short:
         return Verdict(True)

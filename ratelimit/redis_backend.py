@@ -2,8 +2,8 @@
 
 Each admission is one EVALSHA of `lua.ADMIT`, which refills, checks and
 charges both buckets and the concurrency lease set atomically on Redis' clock;
-each release is one EVALSHA of `lua.RELEASE`. The key layout and the bucket
-math are drawn in `ratelimit/lua.py`.
+each release is one EVALSHA of `lua.RELEASE`. The key layout, the bucket math
+and the exactly-once rules are drawn in `ratelimit/lua.py`.
 
 Outages (connection refused, timeouts, any Redis error) never escape:
 `FailMode.OPEN` admits with `degraded=True`, `FailMode.CLOSED` refuses with
@@ -11,12 +11,19 @@ Outages (connection refused, timeouts, any Redis error) never escape:
 when it starts and one info line when Redis answers again, and every failed
 call is counted in `backend_errors` (an int the gateway may export) and, when a
 prometheus `CollectorRegistry` is passed, in `ratelimit_backend_errors_total{operation}`.
+
+Nothing an outage interrupts stays held: an admit whose answer is lost (a
+timeout after the script ran, or a caller cancelled mid-call) is rolled back
+by its request id when it was not handed to the caller as admitted, and a
+release that fails is retried in the background (`ratelimit.pending`) until
+Redis answers or the lease has ended.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter
@@ -26,13 +33,14 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from ratelimit import lua
-from ratelimit.base import Admission, FailMode, RateLimiter, Reservation, TenantLimits
+from ratelimit.base import DEFAULT_LEASE_S, Admission, FailMode, RateLimiter, Reservation, TenantLimits
 from ratelimit.buckets import CONCURRENCY_RETRY_S, never_admissible
 from ratelimit.headers import ratelimit_headers
+from ratelimit.pending import ReleaseRetrier, RetryPolicy
 
 log = logging.getLogger("sluice.ratelimit")
 
-_REFUSED_BY = {1: "requests", 2: "tokens", 3: "concurrency"}
+_REFUSED_BY = {1: "requests", 2: "tokens", 3: "concurrency", 4: "released"}
 # What a CLOSED limiter tells clients while Redis is away.
 UNAVAILABLE_RETRY_S = 1.0
 _BACKEND_ERRORS = (RedisError, OSError, TimeoutError)
@@ -55,19 +63,25 @@ class RedisRateLimiter(RateLimiter):
         fail_mode: FailMode = FailMode.OPEN,
         key_prefix: str = "sluice:rl:",
         timeout_s: float = 0.25,
-        lease_s: float = 600.0,
+        lease_s: float = DEFAULT_LEASE_S,
         registry: CollectorRegistry | None = None,
+        retry: RetryPolicy | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         """
         `timeout_s` bounds every Redis call (connect and reply); past it the call counts as an outage.
-        `lease_s` is how long an admitted request holds its concurrency slot if it is never
-        released (its replica died): longer than any request may run.
+        `lease_s` is how long an admitted request holds its slots if it is never released (its
+        replica died): longer than any request may run (see `ratelimit.base.lease_for`).
         `registry`: where to register `ratelimit_backend_errors_total`; None keeps only `backend_errors`.
+        `retry`: how failed releases are retried (None: `RetryPolicy()`).
+        `clock` (seconds): None uses Redis' own clock, which replicas share; tests pass one they move
+        by hand.
         """
         self.fail_mode = fail_mode
         self.key_prefix = key_prefix
         self.timeout_s = timeout_s
         self.lease_s = lease_s
+        self._clock = clock
         self.backend_errors = 0
         self._url = _redacted(url)
         self._healthy = True
@@ -82,6 +96,7 @@ class RedisRateLimiter(RateLimiter):
         # register_script: EVALSHA, and a transparent SCRIPT LOAD after a Redis restart.
         self._admit_script = self._redis.register_script(lua.ADMIT)
         self._release_script = self._redis.register_script(lua.RELEASE)
+        self._retrier = ReleaseRetrier(self._try_release, lease_s, retry or RetryPolicy())
         self._errors_counter: Counter | None = None
         if registry is not None:
             self._errors_counter = Counter(
@@ -91,16 +106,32 @@ class RedisRateLimiter(RateLimiter):
                 registry=registry,
             )
 
-    def _keys(self, tenant_id: str) -> tuple[str, str, str]:
-        base = f"{self.key_prefix}{{{tenant_id}}}"
-        return f"{base}:req", f"{base}:tok", f"{base}:flight"
+    @property
+    def releases_pending(self) -> int:
+        """Releases waiting for Redis to answer (retried in the background)."""
+        return self._retrier.pending
 
-    async def admit(self, tenant_id: str, request_id: str, limits: TenantLimits, tokens: int) -> Admission:
-        tokens = max(0, tokens)
-        reservation = Reservation(tenant_id, request_id, tokens, limits)
+    @property
+    def releases_abandoned(self) -> int:
+        """Releases given up on (their lease ended first, or too many waited): their refunds are lost."""
+        return self._retrier.abandoned
+
+    def _keys(self, tenant_id: str) -> tuple[str, str, str, str, str]:
+        """req, tok, flight, seqs, done (drawn in `ratelimit.lua`)."""
+        base = f"{self.key_prefix}{{{tenant_id}}}"
+        return f"{base}:req", f"{base}:tok", f"{base}:flight", f"{base}:seqs", f"{base}:done"
+
+    def _now_ms(self) -> float:
+        return -1.0 if self._clock is None else round(self._clock() * 1000, 3)
+
+    async def admit(
+        self, tenant_id: str, request_id: str, limits: TenantLimits, tokens: int, sequences: int = 1
+    ) -> Admission:
+        tokens, sequences = max(0, tokens), max(1, sequences)
+        reservation = Reservation(tenant_id, request_id, tokens, limits, sequences)
         if limits == TenantLimits():
             return Admission(True, reservation=reservation)
-        args: list[str | int] = [
+        args: list[str | int | float] = [
             _arg(limits.requests_per_minute),
             _arg(limits.tokens_per_minute),
             _arg(limits.max_concurrent),
@@ -108,14 +139,22 @@ class RedisRateLimiter(RateLimiter):
             request_id,
             round(self.lease_s * 1000),
             round(CONCURRENCY_RETRY_S * 1000),
+            sequences,
+            self._now_ms(),
         ]
         try:
             async with asyncio.timeout(self.timeout_s * 2):
                 reply = await self._admit_script(keys=self._keys(tenant_id), args=args)
+        except asyncio.CancelledError:
+            # The caller is gone (a client disconnect) and the script may have run, or may yet run
+            # from a socket buffer: give back by id whatever it charges.
+            self._retrier.add(reservation, tokens)
+            raise
         except _BACKEND_ERRORS as exc:
             self._failed("admit", exc)
             if self.fail_mode is FailMode.OPEN:
-                return Admission(True, reservation=reservation, degraded=True)
+                return Admission(True, reservation=reservation, degraded=True)  # the caller releases it
+            self._retrier.add(reservation, tokens)  # refused, so nobody else will release what it charged
             return Admission(
                 False,
                 refused_by="unavailable",
@@ -129,31 +168,55 @@ class RedisRateLimiter(RateLimiter):
         headers = ratelimit_headers(limits, req_left, req_reset_ms / 1000, tok_left, tok_reset_ms / 1000)
         if refused == 0:
             return Admission(True, reservation=reservation, headers=headers)
-        verdict = never_admissible(limits, tokens) if never else None
+        if refused == 4:
+            message: str | None = (
+                f"request {request_id} was released before it was admitted: nothing is charged"
+            )
+        else:
+            verdict = never_admissible(limits, tokens, sequences) if never else None
+            message = verdict.message if verdict else None
         return Admission(
             False,
             refused_by=_REFUSED_BY[refused],
             retry_after_s=retry_ms / 1000,
             headers=headers,
-            message=verdict.message if verdict else None,
+            message=message,
         )
 
     async def release(self, reservation: Reservation, tokens_used: int) -> None:
         if reservation.limits == TenantLimits():
             return
-        _, tok_key, flight_key = self._keys(reservation.tenant_id)
         refund = max(0, reservation.tokens - max(0, tokens_used))
-        args: list[str | int] = [_arg(reservation.limits.tokens_per_minute), refund, reservation.request_id]
+        try:
+            landed = await self._try_release(reservation, refund)
+        except asyncio.CancelledError:
+            self._retrier.add(reservation, refund)
+            raise
+        if not landed:
+            self._retrier.add(reservation, refund)
+
+    async def _try_release(self, reservation: Reservation, refund: int) -> bool:
+        """One RELEASE; False (counted, logged once per outage) when Redis did not answer in time."""
+        _, tok_key, flight_key, seqs_key, done_key = self._keys(reservation.tenant_id)
+        args: list[str | int | float] = [
+            _arg(reservation.limits.tokens_per_minute),
+            refund,
+            reservation.request_id,
+            round(self.lease_s * 1000),
+            self._now_ms(),
+        ]
         try:
             async with asyncio.timeout(self.timeout_s * 2):
-                await self._release_script(keys=[tok_key, flight_key], args=args)
+                await self._release_script(keys=[tok_key, flight_key, seqs_key, done_key], args=args)
         except _BACKEND_ERRORS as exc:
-            # The lease frees the slot on its own; only the refund is lost.
             self._failed("release", exc)
-            return
+            return False
         self._succeeded()
+        return True
 
     async def close(self) -> None:
+        """Deliver what releases it can (one last round), then disconnect."""
+        await self._retrier.close()
         try:
             await self._redis.aclose()
         except _BACKEND_ERRORS:

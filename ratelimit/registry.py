@@ -13,7 +13,7 @@ __all__ = ["create_rate_limiter", "format_reset", "ratelimit_headers"]
 
 # Options only a shared backend has meaning for; the in-process one accepts and ignores them,
 # so the gateway can pass one set of settings whichever backend is chosen.
-_REDIS_ONLY = {"key_prefix", "timeout_s", "registry"}
+_REDIS_ONLY = {"key_prefix", "timeout_s", "registry", "retry"}
 
 
 def create_rate_limiter(
@@ -21,7 +21,8 @@ def create_rate_limiter(
 ) -> RateLimiter:
     """A `RedisRateLimiter(redis_url, fail_mode, **opts)`, or an `InProcessRateLimiter` when no URL.
 
-    opts: `lease_s` (both), `key_prefix`, `timeout_s`, `registry` (Redis only; ignored in-process).
+    opts: `lease_s` (both), `key_prefix`, `timeout_s`, `registry`, `retry` (Redis only; ignored
+    in-process).
     Unknown options raise TypeError, so a typo in settings fails at startup.
     """
     if redis_url:

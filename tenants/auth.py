@@ -1,8 +1,10 @@
 """Who is calling: API keys to a `TenantContext`, and the admin key.
 
-Key lookups are cached for `cache_ttl_s` (1 s by default, positive and
-negative answers alike), so a revocation, suspension or limit change reaches
-every replica within that TTL plus one DB read, without a DB query per request.
+Key lookups are cached for `ttl_s` (1 s by default, positive and negative answers
+alike), so a revocation, suspension or limit change reaches every replica within
+that TTL plus one DB read, without a DB query per request. The cache is two bounded
+LRU maps: keys that exist, and hashes that matched no key. A spray of random keys
+only ever evicts other unknown hashes, never a known key.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import asyncio
 import datetime as dt
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -24,8 +29,6 @@ from tenants.repository import AdminCredentialRepository, ApiKeyRepository
 
 log = logging.getLogger("sluice.tenants")
 
-_MAX_CACHED = 50_000  # bound memory if someone sprays random keys at us
-
 
 @dataclass(frozen=True)
 class TenantContext:
@@ -37,6 +40,8 @@ class TenantContext:
     priority: int
     limits: TenantLimits
     monthly_token_budget: int | None
+    weight: float = 1.0
+    """Fair share relative to other tenants (`Tenant.weight`)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,13 @@ class _KeyRecord:
     def of(cls, key: ApiKey, tenant: Tenant) -> _KeyRecord:
         limits = TenantLimits(tenant.requests_per_minute, tenant.tokens_per_minute, tenant.max_concurrent)
         context = TenantContext(
-            tenant.id, tenant.name, key.id, tenant.priority, limits, tenant.monthly_token_budget
+            tenant.id,
+            tenant.name,
+            key.id,
+            tenant.priority,
+            limits,
+            tenant.monthly_token_budget,
+            tenant.weight,
         )
         return cls(
             key.key_hash,
@@ -62,11 +73,63 @@ class _KeyRecord:
         )
 
 
+V = TypeVar("V")
+
+
+class _LRUCache(Generic[V]):
+    """At most `capacity` entries, each valid for `ttl_s`; the least recently used goes first."""
+
+    def __init__(self, capacity: int, ttl_s: float, clock: Callable[[], float]) -> None:
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._entries: OrderedDict[str, tuple[float, V]] = OrderedDict()
+
+    def get(self, key: str) -> tuple[bool, V | None]:
+        """(hit, value)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return False, None
+        if entry[0] <= self.clock():
+            del self._entries[key]
+            return False, None
+        self._entries.move_to_end(key)
+        return True, entry[1]
+
+    def put(self, key: str, value: V) -> None:
+        self._entries[key] = (self.clock() + self.ttl_s, value)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def discard(self, key: str) -> None:
+        self._entries.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass(frozen=True)
+class KeyCacheConfig:
+    ttl_s: float = 1.0
+    """How long a lookup is trusted; bounds how late a revocation takes effect (SLUICE_AUTH_CACHE_TTL_S)."""
+    max_known: int = 50_000
+    """Keys that exist (valid, revoked, expired or of a suspended tenant) kept in memory."""
+    max_unknown: int = 10_000
+    """Hashes that matched no key kept in memory; random keys evict only each other."""
+
+
 class KeyAuthenticator:
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], cache_ttl_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        config: KeyCacheConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.sessions = sessions
-        self.cache_ttl_s = cache_ttl_s
-        self._cache: dict[str, tuple[float, _KeyRecord | None]] = {}
+        self.config = config or KeyCacheConfig()
+        self._known: _LRUCache[_KeyRecord] = _LRUCache(self.config.max_known, self.config.ttl_s, clock)
+        self._unknown: _LRUCache[None] = _LRUCache(self.config.max_unknown, self.config.ttl_s, clock)
         self._loading: dict[str, asyncio.Future[_KeyRecord | None]] = {}
 
     async def authenticate(self, key: str | None) -> TenantContext:
@@ -88,10 +151,11 @@ class KeyAuthenticator:
         return record.context
 
     async def _record(self, key_hash: str) -> _KeyRecord | None:
-        now = time.monotonic()
-        cached = self._cache.get(key_hash)
-        if cached is not None and cached[0] > now:
-            return cached[1]
+        hit, record = self._known.get(key_hash)
+        if hit:
+            return record
+        if self._unknown.get(key_hash)[0]:
+            return None
         # One DB read per key per TTL however many requests arrive at once.
         pending = self._loading.get(key_hash)
         if pending is not None:
@@ -100,9 +164,12 @@ class KeyAuthenticator:
         self._loading[key_hash] = future
         try:
             record = await self._load(key_hash)
-            if len(self._cache) >= _MAX_CACHED:
-                self._cache.clear()
-            self._cache[key_hash] = (time.monotonic() + self.cache_ttl_s, record)
+            if record is None:
+                self._known.discard(key_hash)
+                self._unknown.put(key_hash, None)
+            else:
+                self._unknown.discard(key_hash)
+                self._known.put(key_hash, record)
             future.set_result(record)
             return record
         except BaseException as exc:

@@ -36,18 +36,21 @@ def async_url(url: str) -> str:
     return url
 
 
-def create_engine(url: str) -> AsyncEngine:
+def create_engine(url: str, sqlite_busy_timeout_s: float = 30.0) -> AsyncEngine:
+    """The async engine of `url`; on SQLite a writer waits up to `sqlite_busy_timeout_s` for the
+    file's write lock before failing with "database is locked"."""
     url = async_url(url)
     if make_url(url).get_backend_name() == "sqlite":
         # Several processes may share the file: WAL lets readers run beside the one writer, and
         # busy_timeout makes a writer wait for the lock instead of failing at once.
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        busy_ms = int(sqlite_busy_timeout_s * 1000)
+        engine = create_async_engine(url, connect_args={"timeout": sqlite_busy_timeout_s})
 
         @event.listens_for(engine.sync_engine, "connect")
         def _pragmas(dbapi_conn: object, _record: object) -> None:
             cursor = dbapi_conn.cursor()  # type: ignore[attr-defined]
             cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
 

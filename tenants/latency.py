@@ -3,26 +3,29 @@
 Percentiles use the nearest-rank method (the smallest recorded value with at least q% of the
 values at or below it), so every figure is a latency some request really had. Only completed
 requests count (status "ok"): refusals and disconnects would drag the figures toward zero.
+
+The database computes them (`UsageRepository.latency_ranks`): PostgreSQL with
+`percentile_disc`, which is nearest rank, SQLite by ranking rows with window functions and
+keeping only the ranks asked for. The gateway receives a handful of numbers per group and
+never sorts records. Both read at most the `max_samples` newest records in range, which
+bounds the work of one report for a very busy tenant.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 QUANTILES = (50, 90, 99)
 MAX_SAMPLES = 100_000
-"""Most recent records read per report: bounds memory and time for a very busy tenant."""
+"""Most recent records read per report: bounds the database's work for a very busy tenant."""
 
 
-def nearest_rank(sorted_values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0 < q <= 100) of ascending `sorted_values` (not empty)."""
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
+def nearest_rank(count: int, q: int) -> int:
+    """The 1-based rank of the q-th percentile (0 < q <= 100) among `count` (> 0) ascending values."""
+    return max(1, math.ceil(q * count / 100))
 
 
 @dataclass(frozen=True)
@@ -32,23 +35,11 @@ class Percentiles:
     p99: float
 
     @classmethod
-    def of(cls, values: Iterable[float]) -> Percentiles | None:
-        ordered = sorted(values)
-        if not ordered:
+    def of(cls, values: tuple[float | None, ...]) -> Percentiles | None:
+        """From the values at QUANTILES' ranks; None when there were no values."""
+        if any(v is None for v in values):
             return None
-        return cls(*(round(nearest_rank(ordered, q), 3) for q in QUANTILES))
-
-
-@dataclass(frozen=True)
-class LatencySample:
-    created_at: dt.datetime
-    model: str
-    ttft_ms: float | None
-    latency_ms: float
-
-    @property
-    def day(self) -> str:
-        return self.created_at.astimezone(dt.UTC).strftime("%Y-%m-%d")
+        return cls(*(round(float(v), 3) for v in values if v is not None))
 
 
 @dataclass(frozen=True)
@@ -58,13 +49,22 @@ class LatencyGroup:
     ttft_ms: Percentiles | None  # None when no request in the group streamed a first token
     latency_ms: Percentiles | None
 
-    @classmethod
-    def of(cls, group: str, samples: Sequence[LatencySample]) -> LatencyGroup:
-        return cls(
-            group=group,
-            requests=len(samples),
-            ttft_ms=Percentiles.of(s.ttft_ms for s in samples if s.ttft_ms is not None),
-            latency_ms=Percentiles.of(s.latency_ms for s in samples),
+
+@dataclass(frozen=True)
+class GroupRanks:
+    """What the database answers for one group: its size and the values at QUANTILES' ranks."""
+
+    group: str | None  # None: all records in range
+    requests: int
+    ttft_ms: tuple[float | None, ...]
+    latency_ms: tuple[float | None, ...]
+
+    def to_group(self) -> LatencyGroup:
+        return LatencyGroup(
+            group=self.group if self.group is not None else "all",
+            requests=self.requests,
+            ttft_ms=Percentiles.of(self.ttft_ms),
+            latency_ms=Percentiles.of(self.latency_ms),
         )
 
 
@@ -76,7 +76,7 @@ class LatencyReport:
     group_by: Literal["day", "model"]
     groups: list[LatencyGroup]  # ordered by group
     overall: LatencyGroup
-    truncated: bool  # more than MAX_SAMPLES records in range: figures cover the most recent ones
+    truncated: bool  # more than max_samples records in range: figures cover the most recent ones
 
     @classmethod
     def of(
@@ -85,11 +85,10 @@ class LatencyReport:
         start: dt.datetime,
         end: dt.datetime,
         group_by: Literal["day", "model"],
-        samples: Sequence[LatencySample],
+        ranks: list[GroupRanks],
         truncated: bool,
     ) -> LatencyReport:
-        by_group: dict[str, list[LatencySample]] = defaultdict(list)
-        for s in samples:
-            by_group[s.day if group_by == "day" else s.model].append(s)
-        groups = [LatencyGroup.of(g, by_group[g]) for g in sorted(by_group)]
-        return cls(tenant_id, start, end, group_by, groups, LatencyGroup.of("all", samples), truncated)
+        groups = sorted((r.to_group() for r in ranks if r.group is not None), key=lambda g: g.group)
+        overall = next((r.to_group() for r in ranks if r.group is None), None)
+        empty = LatencyGroup("all", 0, None, None)
+        return cls(tenant_id, start, end, group_by, groups, overall or empty, truncated)

@@ -6,6 +6,12 @@ Priority tiers (`Tenant.priority`, lower is more important; it becomes
     0  premium    interactive, scheduled first
     1  standard   the default
     2  batch      background work, scheduled last
+
+`Tenant.weight` is the tenant's fair-share weight relative to the others (default 1.0);
+it reaches `TenantContext.weight`.
+
+Column types bound what the admin API accepts (`tenants/bounds.py`): per-minute limits
+and the monthly budget are BIGINT, so their range is the schema's, not a 32-bit column's.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 
-from sqlalchemy import BigInteger, DateTime, Float, ForeignKey, Index, Integer, String
+from sqlalchemy import BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
@@ -57,10 +63,11 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(200), unique=True)
     priority: Mapped[int] = mapped_column(Integer, default=STANDARD)
     # None = unlimited, for every limit below.
-    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    requests_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     max_concurrent: Mapped[int | None] = mapped_column(Integer, nullable=True)
     monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default=text("1.0"))
     status: Mapped[str] = mapped_column(String(16), default=TenantStatus.ACTIVE.value)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
@@ -85,7 +92,11 @@ class UsageRecord(Base):
     __tablename__ = "usage_records"
     __table_args__ = (Index("ix_usage_tenant_time", "tenant_id", "created_at"),)
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # 64-bit on PostgreSQL: a busy deployment passes 2^31 rows. SQLite's INTEGER PRIMARY KEY is
+    # 64-bit already and must stay spelled INTEGER to remain the rowid.
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
     request_id: Mapped[str] = mapped_column(String(80))
     # No foreign keys: usage outlives deleted tenants and keys (billing history).
     tenant_id: Mapped[str] = mapped_column(String(36))

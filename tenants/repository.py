@@ -6,9 +6,10 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, delete, func, insert, select, update
+from sqlalchemy import ColumnElement, and_, delete, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from tenants.latency import QUANTILES, GroupRanks, nearest_rank
 from tenants.models import AdminCredential, ApiKey, Tenant, UsageRecord
 
 
@@ -102,23 +103,98 @@ class UsageRepository:
         rows = (await self.session.execute(query)).all()
         return [(str(g), int(n), int(p), int(c)) for g, n, p, c in rows]
 
-    async def completed_latencies(
-        self, tenant_id: str, start: dt.datetime, end: dt.datetime, limit: int
-    ) -> list[tuple[dt.datetime, str, float | None, float]]:
-        """(created_at, model, ttft_ms, latency_ms) of completed requests in [start, end), newest first."""
-        query = (
-            select(UsageRecord.created_at, UsageRecord.model, UsageRecord.ttft_ms, UsageRecord.latency_ms)
-            .where(
-                UsageRecord.tenant_id == tenant_id,
-                UsageRecord.status == "ok",
-                UsageRecord.created_at >= start,
-                UsageRecord.created_at < end,
-            )
-            .order_by(UsageRecord.created_at.desc())
-            .limit(limit)
+    async def latency_ranks(
+        self,
+        tenant_id: str,
+        start: dt.datetime,
+        end: dt.datetime,
+        group_by: Literal["day", "model"],
+        max_samples: int,
+    ) -> tuple[list[GroupRanks], bool]:
+        """TTFT and end-to-end latency at QUANTILES' nearest ranks, per group and overall (group None),
+        over the newest `max_samples` completed requests in [start, end); and whether more were there."""
+        completed = (
+            UsageRecord.tenant_id == tenant_id,
+            UsageRecord.status == "ok",
+            UsageRecord.created_at >= start,
+            UsageRecord.created_at < end,
         )
-        rows = (await self.session.execute(query)).all()
-        return [(t, str(m), None if f is None else float(f), float(n)) for t, m, f, n in rows]
+        group = self._day(self.session) if group_by == "day" else UsageRecord.model
+        sample = (
+            select(
+                group.label("g"), UsageRecord.ttft_ms.label("ttft"), UsageRecord.latency_ms.label("latency")
+            )
+            .where(*completed)
+            .order_by(UsageRecord.created_at.desc())
+            .limit(max_samples)
+            .subquery("sample")
+        )
+        if self.session.get_bind().dialect.name == "postgresql":
+            ranks = await self._percentile_disc(sample)
+        else:
+            ranks = await self._ranked(sample)
+        beyond = select(UsageRecord.id).where(*completed).limit(max_samples + 1).subquery()
+        seen = int((await self.session.execute(select(func.count()).select_from(beyond))).scalar_one())
+        return ranks, seen > max_samples
+
+    async def _percentile_disc(self, sample: Any) -> list[GroupRanks]:
+        """PostgreSQL: percentile_disc is the nearest-rank percentile (NULL TTFTs are skipped)."""
+        k = len(QUANTILES)
+        columns = [
+            func.count(),
+            *(func.percentile_disc(q / 100).within_group(sample.c.ttft) for q in QUANTILES),
+            *(func.percentile_disc(q / 100).within_group(sample.c.latency) for q in QUANTILES),
+        ]
+        grouped = (await self.session.execute(select(sample.c.g, *columns).group_by(sample.c.g))).all()
+        overall = (await self.session.execute(select(*columns))).one()
+        rows: list[tuple[Any, ...]] = [(str(r[0]), *r[1:]) for r in grouped]
+        if overall[0]:
+            rows.append((None, *overall))
+        return [GroupRanks(r[0], int(r[1]), tuple(r[2 : 2 + k]), tuple(r[2 + k :])) for r in rows]
+
+    async def _ranked(self, sample: Any) -> list[GroupRanks]:
+        """Elsewhere (SQLite): number each metric's values in order, per group and over all, and keep
+        only the rows whose number is a nearest rank, ceil(q * n / 100)."""
+        per_group = await self.session.execute(select(sample.c.g, func.count()).group_by(sample.c.g))
+        sizes: dict[str | None, int] = {str(g): int(n) for g, n in per_group}
+        if not sizes:
+            return []
+        sizes[None] = sum(sizes.values())
+        counts: dict[tuple[str, str | None], int] = {}  # (metric, group) -> values; group None: all
+        values: dict[tuple[str, str | None, int], float] = {}  # (metric, group, rank) -> value
+        for metric in ("ttft", "latency"):
+            value = sample.c[metric]
+            ranked = (
+                select(
+                    sample.c.g,
+                    value.label("v"),
+                    func.row_number().over(partition_by=sample.c.g, order_by=value).label("rn"),
+                    func.count().over(partition_by=sample.c.g).label("n"),
+                    func.row_number().over(order_by=value).label("rn_all"),
+                    func.count().over().label("n_all"),
+                )
+                .where(value.is_not(None))
+                .subquery()
+            )
+            wanted = or_(
+                *(self._is_rank(ranked.c.rn, ranked.c.n, q) for q in QUANTILES),
+                *(self._is_rank(ranked.c.rn_all, ranked.c.n_all, q) for q in QUANTILES),
+            )
+            query = select(ranked.c.g, ranked.c.v, ranked.c.rn, ranked.c.n, ranked.c.rn_all, ranked.c.n_all)
+            for g, v, rn, n, rn_all, n_all in await self.session.execute(query.where(wanted)):
+                counts[(metric, str(g))], counts[(metric, None)] = int(n), int(n_all)
+                values[(metric, str(g), int(rn))] = values[(metric, None, int(rn_all))] = float(v)
+
+        def at_ranks(metric: str, group: str | None) -> tuple[float | None, ...]:
+            n = counts.get((metric, group), 0)
+            return tuple(values[(metric, group, nearest_rank(n, q))] if n else None for q in QUANTILES)
+
+        return [GroupRanks(g, n, at_ranks("ttft", g), at_ranks("latency", g)) for g, n in sizes.items()]
+
+    @staticmethod
+    def _is_rank(rn: Any, n: Any, q: int) -> ColumnElement[bool]:
+        """rn is ceil(q * n / 100), in integers: rn * 100 >= q * n > (rn - 1) * 100."""
+        return and_(rn * 100 >= n * q, (rn - 1) * 100 < n * q)
 
     @staticmethod
     def _day(session: AsyncSession) -> ColumnElement[str]:

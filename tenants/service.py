@@ -1,7 +1,10 @@
 """Tenant administration: tenants, their keys and usage reports, one transaction per call.
 
-Inputs arrive already shape-checked (the admin API's schemas); this layer
-enforces what needs the database: existence, unique names, key ownership.
+Inputs arrive already shape-checked (the admin API's schemas bound every field to
+its column, see tenants/bounds.py); this layer enforces what needs the database
+(existence, unique names, key ownership) and what a schema cannot say: an id that
+cannot exist is not found without a query, a datetime is converted to UTC or
+refused (400) when UTC leaves years 1..9999.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from typing import Any, Literal
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from tenants.bounds import could_be_id, is_plain_text, utc
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.keys import display_prefix, generate_key, hash_key
-from tenants.latency import MAX_SAMPLES, LatencyReport, LatencySample
+from tenants.latency import MAX_SAMPLES, LatencyReport
 from tenants.models import STANDARD, ApiKey, Tenant, TenantStatus, utcnow
 from tenants.repository import ApiKeyRepository, TenantRepository, UsageRepository
 
@@ -30,6 +34,7 @@ MUTABLE_FIELDS = frozenset(
         "tokens_per_minute",
         "max_concurrent",
         "monthly_token_budget",
+        "weight",
         "status",
     }
 )
@@ -43,6 +48,7 @@ class TenantSpec:
     tokens_per_minute: int | None = 100_000
     max_concurrent: int | None = 8
     monthly_token_budget: int | None = None
+    weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,7 @@ class TenantService:
             tokens_per_minute=spec.tokens_per_minute,
             max_concurrent=spec.max_concurrent,
             monthly_token_budget=spec.monthly_token_budget,
+            weight=spec.weight,
             status=TenantStatus.ACTIVE.value,
         )
         async with self.sessions.begin() as session:
@@ -125,8 +132,12 @@ class TenantService:
         self, tenant_id: str, name: str, expires_at: dt.datetime | None = None
     ) -> tuple[ApiKey, str]:
         """The key record and its secret; the secret exists only in this return value."""
-        if expires_at is not None and expires_at.tzinfo is None:
-            raise InvalidInputError("expires_at needs a timezone, e.g. 2030-01-01T00:00:00Z", "expires_at")
+        if expires_at is not None:
+            if expires_at.tzinfo is None:
+                raise InvalidInputError(
+                    "expires_at needs a timezone, e.g. 2030-01-01T00:00:00Z", "expires_at"
+                )
+            expires_at = _utc(expires_at, "expires_at")
         secret = generate_key()
         key = ApiKey(
             id=str(uuid.uuid4()),
@@ -148,9 +159,9 @@ class TenantService:
 
     async def revoke_key(self, key_id: str) -> ApiKey:
         async with self.sessions.begin() as session:
-            key = await ApiKeyRepository(session).get(key_id)
+            key = await ApiKeyRepository(session).get(key_id) if could_be_id(key_id) else None
             if key is None:
-                raise NotFoundError(f"No API key with id '{key_id}'")
+                raise NotFoundError(f"No API key with id {_shown(key_id)}")
             if key.revoked_at is None:
                 key.revoked_at = utcnow()
             return key
@@ -177,14 +188,17 @@ class TenantService:
         start: dt.datetime | None,
         end: dt.datetime | None,
         group_by: Literal["day", "model"],
+        max_samples: int = MAX_SAMPLES,
     ) -> LatencyReport:
-        """TTFT and end-to-end percentiles of completed requests in [start, end); defaults as usage()."""
+        """TTFT and end-to-end percentiles of the newest `max_samples` completed requests in
+        [start, end), computed by the database; defaults as usage()."""
         start, end = _window(start, end)
         async with self.sessions() as session:
             await _tenant(session, tenant_id)
-            rows = await UsageRepository(session).completed_latencies(tenant_id, start, end, MAX_SAMPLES + 1)
-        samples = [LatencySample(*row) for row in rows[:MAX_SAMPLES]]
-        return LatencyReport.of(tenant_id, start, end, group_by, samples, truncated=len(rows) > MAX_SAMPLES)
+            ranks, truncated = await UsageRepository(session).latency_ranks(
+                tenant_id, start, end, group_by, max_samples
+            )
+        return LatencyReport.of(tenant_id, start, end, group_by, ranks, truncated)
 
 
 def month_start(now: dt.datetime) -> dt.datetime:
@@ -192,23 +206,34 @@ def month_start(now: dt.datetime) -> dt.datetime:
 
 
 def _window(start: dt.datetime | None, end: dt.datetime | None) -> tuple[dt.datetime, dt.datetime]:
-    """[start, end) of a report; defaults: the current calendar month (UTC) up to now."""
+    """[start, end) of a report, in UTC; defaults: the current calendar month (UTC) up to now.
+    A bare date/time is read as UTC, like the rest of the API."""
     now = utcnow()
-    start = _aware(start, "start") if start else month_start(now)
-    end = _aware(end, "end") if end else now + dt.timedelta(seconds=1)
+    start = _utc(start, "start") if start else month_start(now)
+    end = _utc(end, "end") if end else now + dt.timedelta(seconds=1)
     if start >= end:
         raise InvalidInputError("start must be before end", "start")
     return start, end
 
 
-def _aware(value: dt.datetime, param: str) -> dt.datetime:
-    if value.tzinfo is None:  # a bare date/time is read as UTC, like the rest of the API
-        return value.replace(tzinfo=dt.UTC)
-    return value
+def _utc(value: dt.datetime, param: str) -> dt.datetime:
+    try:
+        return utc(value)
+    except OverflowError:
+        raise InvalidInputError(
+            f"{param} is out of range: in UTC it must fall in years 1 to 9999", param
+        ) from None
+
+
+def _shown(identifier: str) -> str:
+    """An id for an error message: quoted as given when printable, else Python-escaped."""
+    return (
+        f"'{identifier}'" if is_plain_text(identifier) and len(identifier) <= 100 else ascii(identifier[:100])
+    )
 
 
 async def _tenant(session: AsyncSession, tenant_id: str) -> Tenant:
-    tenant = await TenantRepository(session).get(tenant_id)
+    tenant = await TenantRepository(session).get(tenant_id) if could_be_id(tenant_id) else None
     if tenant is None:
-        raise NotFoundError(f"No tenant with id '{tenant_id}'")
+        raise NotFoundError(f"No tenant with id {_shown(tenant_id)}")
     return tenant

@@ -2,15 +2,18 @@
 
 Handlers translate between the wire schemas and `tenants.service`; the admin
 guard is the `admin` dependency, the tenant one `caller` (see gateway.auth).
+A key may fetch /v1/usage reports only so often (`tenants.report_limit`): 429
+with Retry-After beyond that.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from litestar import Request, delete, get, patch, post
 from litestar.di import NamedDependency
+from litestar.exceptions import ClientException
 from litestar.params import FromPath, JSONBody, QueryParameter
 
 from drivers.base import Driver
@@ -45,7 +48,21 @@ def _tenants(request: Request) -> TenantService:
     return tenancy.tenants
 
 
-@post("/admin/tenants", status_code=201, security=ADMIN_SECURITY, tags=["admin"])
+class BodyRequest(Request[Any, Any, Any]):
+    """A request whose JSON body nested too deeply is a 400, not a 500.
+
+    Litestar decodes a body untyped before checking it against the handler's schema, and
+    msgspec's recursion guard raises RecursionError on, e.g., 1,000 nested arrays in an
+    unknown field: that is a bad body, not a server fault."""
+
+    async def json(self) -> Any:
+        try:
+            return await super().json()
+        except RecursionError:
+            raise ClientException("Malformed JSON body: nested too deeply") from None
+
+
+@post("/admin/tenants", status_code=201, security=ADMIN_SECURITY, tags=["admin"], request_class=BodyRequest)
 async def create_tenant(
     request: Request, data: JSONBody[TenantCreate], admin: NamedDependency[None]
 ) -> TenantOut:
@@ -56,6 +73,7 @@ async def create_tenant(
         tokens_per_minute=data.tokens_per_minute,
         max_concurrent=data.max_concurrent,
         monthly_token_budget=data.monthly_token_budget,
+        weight=data.weight,
     )
     return TenantOut.of(await _tenants(request).create_tenant(spec))
 
@@ -70,7 +88,7 @@ async def get_tenant(request: Request, tenant_id: FromPath[str], admin: NamedDep
     return TenantOut.of(await _tenants(request).get_tenant(tenant_id))
 
 
-@patch("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"])
+@patch("/admin/tenants/{tenant_id:str}", security=ADMIN_SECURITY, tags=["admin"], request_class=BodyRequest)
 async def update_tenant(
     request: Request, tenant_id: FromPath[str], data: JSONBody[TenantUpdate], admin: NamedDependency[None]
 ) -> TenantOut:
@@ -84,7 +102,13 @@ async def delete_tenant(request: Request, tenant_id: FromPath[str], admin: Named
     await _tenants(request).delete_tenant(tenant_id)
 
 
-@post("/admin/tenants/{tenant_id:str}/keys", status_code=201, security=ADMIN_SECURITY, tags=["admin"])
+@post(
+    "/admin/tenants/{tenant_id:str}/keys",
+    status_code=201,
+    security=ADMIN_SECURITY,
+    tags=["admin"],
+    request_class=BodyRequest,
+)
 async def create_key(
     request: Request, tenant_id: FromPath[str], data: JSONBody[KeyCreate], admin: NamedDependency[None]
 ) -> KeyCreated:
@@ -117,10 +141,13 @@ async def tenant_usage(
     return UsageOut.of(await _tenants(request).usage(tenant_id, start, end, group_by))
 
 
-def _own_tenant(caller: TenantContext | None) -> str:
-    """The tenant of the calling key: usage endpoints under /v1 only ever show the caller's own."""
+def _own_tenant(request: Request, caller: TenantContext | None) -> str:
+    """The tenant of the calling key: usage endpoints under /v1 only ever show the caller's own,
+    and only `ReportLimitConfig.per_minute` times a minute per key (429 beyond)."""
     if caller is None:
         raise AuthenticationError("Usage needs an API key")
+    tenancy: Tenancy = request.app.state["tenancy"]
+    tenancy.reports.check(caller.key_id)
     return caller.tenant_id
 
 
@@ -133,7 +160,7 @@ async def own_usage(
     group_by: Annotated[GroupBy, QueryParameter()] = "day",
 ) -> UsageOut:
     """The calling tenant's usage; a key can only ever see its own tenant's."""
-    return UsageOut.of(await _tenants(request).usage(_own_tenant(caller), start, end, group_by))
+    return UsageOut.of(await _tenants(request).usage(_own_tenant(request, caller), start, end, group_by))
 
 
 @get("/admin/tenants/{tenant_id:str}/latency", security=ADMIN_SECURITY, tags=["admin"])
@@ -157,7 +184,7 @@ async def own_latency(
     group_by: Annotated[GroupBy, QueryParameter()] = "day",
 ) -> LatencyOut:
     """p50/p90/p99 of the calling tenant's time to first token and end-to-end latency."""
-    return LatencyOut.of(await _tenants(request).latency(_own_tenant(caller), start, end, group_by))
+    return LatencyOut.of(await _tenants(request).latency(_own_tenant(request, caller), start, end, group_by))
 
 
 @get("/admin/models", security=ADMIN_SECURITY, tags=["admin"])

@@ -38,3 +38,18 @@ def db_url(request: pytest.FixtureRequest) -> str:
     """The same test on the embedded SQLite database and on real PostgreSQL."""
     url: str = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
     return url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def fresh_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database of this test's own, on SQLite and on PostgreSQL: for tests that change
+    the schema or the server's settings of their database."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'own.db'}"
+        return
+    url = fresh_pg_url()
+    asyncio.run(create_postgres_database(url))
+    try:
+        yield url
+    finally:
+        asyncio.run(drop_postgres_database(url))
