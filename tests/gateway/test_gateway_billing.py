@@ -45,7 +45,7 @@ class App:
     def usage(self, headers: dict[str, str], requests: int) -> dict[str, int]:
         return usage_of(lambda: self.client.get("/v1/usage?group_by=model", headers=headers).json(), requests)
 
-    def completion(self, headers: dict[str, str], prompt: str, max_tokens: int = 10, **extra: Any) -> Any:
+    def completion(self, headers: dict[str, str], prompt: Any, max_tokens: int = 10, **extra: Any) -> Any:
         body = {"prompt": prompt, "max_tokens": max_tokens, **extra}
         return self.client.post("/v1/completions", json=body, headers=headers)
 
@@ -172,6 +172,15 @@ def test_requests_rejected_at_dispatch_count_against_the_request_limit_before_to
         assert refused.status_code == 429, refused.text
         assert refused.json()["error"]["code"] == "rate_limit_exceeded"
         assert driver.prompts_tokenized == tokenized  # refused before the tokenizer saw it
+
+
+def test_a_request_takes_one_concurrency_slot_per_sequence(tmp_path: Path) -> None:
+    with app(tmp_path, SyntheticDriver(tokens_per_second=0, ttft_s=0)) as a:
+        headers = a.tenant(max_concurrent=4)
+        assert a.completion(headers, ["a", "b"], max_tokens=1, n=2).status_code == 200  # 4 sequences
+        refused = a.completion(headers, ["a", "b"], max_tokens=1, n=3)  # 6 sequences: never fits 4
+        assert refused.status_code == 429, refused.text
+        assert "sequences" in refused.json()["error"]["message"]
 
 
 # -- what a request that ran is charged -------------------------------------------------------------------
