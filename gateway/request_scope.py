@@ -175,7 +175,8 @@ class RequestScope:
 
     async def reserve(self) -> None:
         """Refuse now (OverloadedError: 503 + Retry-After) what would miss its tier's TTFT target;
-        then reserve prompt + max_tokens from the tenant's token bucket (finish refunds the rest)."""
+        then the tenant's ticket: prompt + max_tokens from its token bucket (finish refunds what
+        goes unused) and a concurrency slot per sequence (prompts x n)."""
         dispatch = self._dispatch()
         serving = self.serving
         first = dispatch.requests[0]
