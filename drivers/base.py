@@ -53,6 +53,10 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None  # None: none; N: sampled token's logprob plus top N alternatives
     priority: int = 0  # lower value = more important (tier 0 is the highest)
     tenant_id: str | None = None
+    # The prompt as the engine sees it (token ids after the chat template and BOS), from
+    # `Driver.tokenize`. The gateway sets it so that `generate()` never tokenizes again (the choices
+    # of one prompt share it); None: `generate()` tokenizes the prompt itself.
+    tokenized_prompt: list[int] | None = None
 
 
 class TopLogprob(msgspec.Struct, frozen=True):
@@ -230,6 +234,12 @@ class Driver(ABC):
         raise InvalidRequestError(f"{type(self).__name__} does not support fault injection")
 
     @abstractmethod
-    def count_prompt_tokens(self, request: GenerationRequest) -> int:
-        """Tokens the prompt will take (after the chat template); raises InvalidRequestError or
-        ModelNotFoundError. Lets the gateway validate and charge limits before dispatch."""
+    async def tokenize(self, request: GenerationRequest) -> list[int]:
+        """The prompt as the engine will see it: token ids after the chat template and BOS.
+
+        Raises InvalidRequestError, ModelNotFoundError, or OverloadedError while the model loads.
+        The tokenizer runs off the event loop (a worker thread), because a long prompt takes up to
+        a second to encode and would stall every other stream meanwhile. The gateway calls this
+        once per distinct prompt before dispatch, to check and charge lengths, and hands the ids to
+        `generate()` in `GenerationRequest.tokenized_prompt`, so a prompt is never tokenized twice.
+        """

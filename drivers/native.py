@@ -132,7 +132,7 @@ class NativeDriver(Driver):
         if request.model != self.served_model_name:
             raise ModelNotFoundError(request.model)
 
-    def prompt_token_ids(self, request: GenerationRequest) -> list[int]:
+    async def tokenize(self, request: GenerationRequest) -> list[int]:
         self._check_model(request)
         if not self.ready:
             raise OverloadedError("the model is still loading", retry_after=LOADING_RETRY_AFTER_S)
@@ -141,16 +141,9 @@ class NativeDriver(Driver):
         tok = self.tokenizer
         if tok is None:
             raise InvalidRequestError("this model has no tokenizer; send prompt token ids", param="prompt")
-        if request.messages is not None:
-            try:
-                text = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), param="messages") from exc
-            return tok.encode(text, add_special_tokens=False)
-        return tok.encode(request.prompt or "", add_special_tokens=True)
-
-    def count_prompt_tokens(self, request: GenerationRequest) -> int:
-        return len(self.prompt_token_ids(request))
+        # A worker thread: a 1 MiB prompt takes most of a second to encode (the tokenizer releases
+        # the GIL meanwhile), and the event loop serves every other stream in the meantime.
+        return await asyncio.to_thread(_encode_prompt, tok, request)
 
     def _sampling_params(self, request: GenerationRequest, n_prompt: int) -> SamplingParams:
         room = self.max_model_len - n_prompt
@@ -193,7 +186,11 @@ class NativeDriver(Driver):
         return self.supervisor.pick(alive)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        prompt_ids = self.prompt_token_ids(request)
+        prompt_ids = request.tokenized_prompt
+        if prompt_ids is None:
+            prompt_ids = await self.tokenize(request)
+        else:
+            self._check_model(request)
         params = self._sampling_params(request, len(prompt_ids))
         engine = self._pick_engine()
         capacity = engine.config.scheduler.max_num_seqs + self.max_waiting
@@ -301,6 +298,18 @@ class NativeDriver(Driver):
             prefix_cache_hit_rate=(sum(s.prefix_cache_hit_rate for s in stats) / len(stats)) if stats else 0.0,
             timestamp=min((s.timestamp for s in stats), default=0.0),
         )
+
+
+def _encode_prompt(tok: Tokenizer, request: GenerationRequest) -> list[int]:
+    """The prompt's token ids: chat messages through the model's template, or the text (runs in a
+    worker thread)."""
+    if request.messages is not None:
+        try:
+            text = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="messages") from exc
+        return tok.encode(text, add_special_tokens=False)
+    return tok.encode(request.prompt or "", add_special_tokens=True)
 
 
 def _sum_by_key(maps: Iterable[dict[int, int]]) -> dict[int, int]:

@@ -6,7 +6,7 @@ fixed decode rate per request), max_tokens / stop strings / seed / logprobs,
 abort, and a bounded running + waiting queue that sheds load with
 `OverloadedError`. Nothing here is mocked for tests; it is a real component.
 
-Token layout of a prompt (what `count_prompt_tokens` counts and `generate` uses):
+Token layout of a prompt (what `tokenize` returns and `generate` uses):
 
     [BOS] ( [<role>] word word ... [EOT] )* [<assistant>]      chat
     [BOS] word word ...                                          completion
@@ -70,6 +70,7 @@ class SyntheticDriver(Driver):
         max_model_len: int = 4096,
         max_num_seqs: int = 256,
         max_waiting: int = 1024,
+        tokenize_s: float = 0.0,
         **_ignored: object,  # engine options the CLI passes to every driver (dtype, ...)
     ) -> None:
         if max_model_len < 2:
@@ -83,6 +84,10 @@ class SyntheticDriver(Driver):
         self.max_model_len = max_model_len
         self.max_num_seqs = max(1, max_num_seqs)
         self.max_waiting = max(0, max_waiting)
+        # Extra time tokenizing one prompt takes, in the worker thread (a slow tokenizer, for tests of
+        # what happens before dispatch); the word tokenizer itself is fast.
+        self.tokenize_s = max(0.0, tokenize_s)
+        self.prompts_tokenized = 0  # tokenize() calls that encoded a prompt, since construction
         self._slots = asyncio.Semaphore(self.max_num_seqs)
         self._live: dict[str, _Live] = {}
         self._running = 0
@@ -133,8 +138,12 @@ class SyntheticDriver(Driver):
                         running=self._running, waiting=self._waiting)
         return NodesReport([node], [])
 
-    def count_prompt_tokens(self, request: GenerationRequest) -> int:
-        return len(self._prompt_ids(request))
+    async def tokenize(self, request: GenerationRequest) -> list[int]:
+        if request.model != self.model_name:
+            raise ModelNotFoundError(request.model)
+        self.prompts_tokenized += 1
+        # A worker thread, like a real tokenizer: a long prompt must not stall the other streams.
+        return await asyncio.to_thread(self._prompt_ids, request)
 
     async def abort(self, request_id: str) -> None:
         live = self._live.get(request_id)
@@ -147,8 +156,8 @@ class SyntheticDriver(Driver):
     # -- internals -------------------------------------------------------------------------------
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
-        if request.model != self.model_name:
-            raise ModelNotFoundError(request.model)
+        if self.tokenize_s:
+            time.sleep(self.tokenize_s)  # in the worker thread, never on the event loop
         if request.prompt_token_ids is not None:
             bad = [t for t in request.prompt_token_ids if not 0 <= t < len(VOCAB)]
             if bad:
@@ -194,7 +203,11 @@ class SyntheticDriver(Driver):
             raise InvalidRequestError(f"Duplicate request id {request_id}", "request_id")
 
     async def _generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        prompt_ids = self._prompt_ids(request)
+        if request.model != self.model_name:
+            raise ModelNotFoundError(request.model)
+        prompt_ids = request.tokenized_prompt
+        if prompt_ids is None:
+            prompt_ids = await self.tokenize(request)
         budget = self._budget(request, len(prompt_ids))
         self._admit(request.request_id)  # synchronous: check-and-enqueue cannot interleave
         arrival = time.time()

@@ -1,5 +1,7 @@
 """Per-request tenant admission: budget and rate limits before dispatch, release and usage after.
 
+    count(caller, ...)       monthly budget, then the request against requests_per_minute: before its
+                             prompt is tokenized, so a request refused later still counts
     admit(..., tokens, sequences) -> Ticket   monthly budget, then RateLimiter.admit(prompt + max_tokens,
                                               prompts x n sequences against max_concurrent)
     finish(ticket, ...)      the request ran: RateLimiter.release(actual tokens) + one usage record
@@ -20,9 +22,9 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ratelimit.base import RateLimiter, Reservation
+from ratelimit.base import Admission, RateLimiter, Reservation, TenantLimits
 from tenants.auth import TenantContext
 from tenants.errors import LimiterUnavailableError, QuotaExceededError, RateLimitedError
 from tenants.usage import MonthlyUsage, UsageEvent, UsageWriter
@@ -50,28 +52,55 @@ class TenantGate:
         self.monthly = monthly
         self._releases: set[asyncio.Task[None]] = set()
 
+    async def count(self, caller: TenantContext, request_id: str, model: str) -> dict[str, str]:
+        """Count the request against requests_per_minute (after the monthly budget), before the
+        expensive work, or raise QuotaExceeded / RateLimited / LimiterUnavailable; returns its
+        x-ratelimit-*-requests headers. `admit(..., counted=True)` then skips the request limit.
+
+        TODO(ratelimit): a counting-only RateLimiter call would save a round trip. Until then, an
+        admission of its own id (`<request id>/count`) under the request limit alone, released at
+        once: its lease holds no slot any longer than that, and no token."""
+        await self._check_budget(caller, request_id, model)
+        rpm = caller.limits.requests_per_minute
+        if rpm is None:
+            return {}
+        admission = await self.limiter.admit(
+            caller.tenant_id, f"{request_id}/count", TenantLimits(requests_per_minute=rpm), 0
+        )
+        if not admission.allowed:
+            self.refuse(caller, request_id, model, "rate_limited")
+            raise _refusal(admission)
+        if admission.reservation is not None:
+            self._track(asyncio.create_task(self.limiter.release(admission.reservation, 0)))
+        return dict(admission.headers)
+
     async def admit(
-        self, caller: TenantContext, request_id: str, model: str, tokens: int, sequences: int = 1
+        self,
+        caller: TenantContext,
+        request_id: str,
+        model: str,
+        tokens: int,
+        sequences: int = 1,
+        counted: bool = False,
     ) -> Ticket:
         """Charge `tokens` (prompt + max_tokens) and `sequences` (prompts x n) concurrency slots,
-        or raise QuotaExceeded / RateLimited / LimiterUnavailable."""
+        and the request itself unless `count()` did (`counted`), or raise QuotaExceeded /
+        RateLimited / LimiterUnavailable."""
+        await self._check_budget(caller, request_id, model)
+        limits = replace(caller.limits, requests_per_minute=None) if counted else caller.limits
+        admission = await self.limiter.admit(caller.tenant_id, request_id, limits, tokens, sequences)
+        if not admission.allowed:
+            self.refuse(caller, request_id, model, "rate_limited")
+            raise _refusal(admission)
+        return Ticket(caller, request_id, model, admission.reservation, dict(admission.headers))
+
+    async def _check_budget(self, caller: TenantContext, request_id: str, model: str) -> None:
         budget = caller.monthly_token_budget
         if budget is not None and await self.monthly.used(caller.tenant_id) >= budget:
             self.refuse(caller, request_id, model, "insufficient_quota")
             raise QuotaExceededError(
                 f"Tenant '{caller.tenant_name}' has used its monthly budget of {budget} tokens"
             )
-        admission = await self.limiter.admit(caller.tenant_id, request_id, caller.limits, tokens, sequences)
-        if not admission.allowed:
-            self.refuse(caller, request_id, model, "rate_limited")
-            reason = getattr(admission, "message", None) or f"Rate limit reached for {admission.refused_by}"
-            if admission.degraded:
-                raise LimiterUnavailableError(reason, max(1.0, admission.retry_after_s))
-            headers = dict(admission.headers)
-            if admission.retry_after_s > 0:
-                headers["retry-after"] = str(max(1, math.ceil(admission.retry_after_s)))
-            raise RateLimitedError(reason, admission.retry_after_s, headers)
-        return Ticket(caller, request_id, model, admission.reservation, dict(admission.headers))
 
     def finish(
         self,
@@ -123,7 +152,9 @@ class TenantGate:
     def _release(self, ticket: Ticket, tokens_used: int) -> asyncio.Task[None] | None:
         if ticket.reservation is None:
             return None
-        task = asyncio.create_task(self.limiter.release(ticket.reservation, tokens_used))
+        return self._track(asyncio.create_task(self.limiter.release(ticket.reservation, tokens_used)))
+
+    def _track(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
         return task
@@ -139,3 +170,13 @@ class TenantGate:
         """Wait for refunds still in flight (shutdown)."""
         if self._releases:
             await asyncio.gather(*self._releases, return_exceptions=True)
+
+
+def _refusal(admission: Admission) -> RateLimitedError | LimiterUnavailableError:
+    reason = getattr(admission, "message", None) or f"Rate limit reached for {admission.refused_by}"
+    if admission.degraded:
+        return LimiterUnavailableError(reason, max(1.0, admission.retry_after_s))
+    headers = dict(admission.headers)
+    if admission.retry_after_s > 0:
+        headers["retry-after"] = str(max(1, math.ceil(admission.retry_after_s)))
+    return RateLimitedError(reason, admission.retry_after_s, headers)

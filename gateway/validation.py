@@ -1,7 +1,14 @@
 """Turning a decoded OpenAI body into driver requests, with every check done before dispatch.
 
-Checks that need the served model live here (model exists, prompt + max_tokens
-fit the context); shape and range checks are already done by the schemas.
+Two steps, cheap first:
+
+    chat_plan / completion_plan   model exists, options supported, prompt not longer than the
+                                  context can hold at MAX_BYTES_PER_TOKEN (no tokenizing)  -> Plan
+    Plan.tokenize(driver)         each distinct prompt tokenized once, off the event loop; prompt +
+                                  max_tokens fit the context; one request per choice       -> Dispatch
+
+Shape and range checks are already done by the schemas. The choices of one prompt share its
+token ids (`GenerationRequest.tokenized_prompt`), so the driver never tokenizes again.
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ from drivers.base import (
 )
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
+# No tokenizer we serve puts more than this many bytes of text into one token (SmolLM2's longest
+# token is 81 bytes), so a prompt of more characters than max_model_len x this can never fit the
+# context: it is refused before the tokenizer spends up to a second on it.
+MAX_BYTES_PER_TOKEN = 128
+
 
 @dataclass(frozen=True)
 class Dispatch:
@@ -28,9 +40,50 @@ class Dispatch:
 
     request_id: str  # the API request's id; driver requests are `<id>-<i>` when there are several
     model: str
-    requests: list[GenerationRequest]
-    prompt_tokens: int  # summed over distinct prompts (a completion batch has several)
+    requests: list[GenerationRequest]  # choice index = prompt index * n + i, as OpenAI orders them
+    prompt_lengths: list[int]  # tokens of each distinct prompt
+    n: int  # choices per prompt
     logprobs: int | None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Summed over distinct prompts: the n choices of a prompt share it."""
+        return sum(self.prompt_lengths)
+
+    def prompt_of(self, choice: int) -> int:
+        return choice // self.n
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A request that passed every check short of tokenizing: one template per distinct prompt."""
+
+    request_id: str
+    card: ModelCard
+    prompts: list[GenerationRequest]
+    max_tokens: int | None
+    prompt_name: Literal["messages", "prompt"]
+    n: int
+    seed: int | None
+    logprobs: int | None
+
+    async def tokenize(self, driver: Driver, default_cap: int) -> Dispatch:
+        """Tokenize each distinct prompt once and check that it fits with its completion budget."""
+        ready: list[GenerationRequest] = []
+        lengths: list[int] = []
+        seen: dict[str, list[int]] = {}  # a batch may repeat a text prompt: tokenize it once
+        for prompt in self.prompts:
+            key = prompt.prompt
+            ids = seen.get(key) if key is not None else None
+            if ids is None:
+                ids = await driver.tokenize(prompt)
+                if key is not None:
+                    seen[key] = ids
+            budget = _completion_budget(self.card, len(ids), self.max_tokens, default_cap, self.prompt_name)
+            ready.append(msgspec.structs.replace(prompt, max_tokens=budget, tokenized_prompt=ids))
+            lengths.append(len(ids))
+        requests = _fan_out(ready, self.n, self.seed)
+        return Dispatch(self.request_id, self.card.id, requests, lengths, self.n, self.logprobs)
 
 
 def resolve_model(driver: Driver, name: str | None) -> ModelCard:
@@ -45,23 +98,19 @@ def resolve_model(driver: Driver, name: str | None) -> ModelCard:
     raise ModelNotFoundError(name)
 
 
-def chat_dispatch(body: ChatCompletionRequest, request_id: str, driver: Driver, default_cap: int) -> Dispatch:
+def chat_plan(body: ChatCompletionRequest, request_id: str, driver: Driver) -> Plan:
     card = resolve_model(driver, body.model)
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     messages = [ChatMessage(role=m.role, content=m.text()) for m in body.messages]
+    _check_length(card, sum(len(m.content) for m in messages), "messages")
     template = msgspec.structs.replace(_base_request(body, request_id, card.id, logprobs), messages=messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    prompt_tokens = driver.count_prompt_tokens(template)
-    budget = _completion_budget(card, prompt_tokens, max_tokens, default_cap, "messages")
-    template = msgspec.structs.replace(template, max_tokens=budget)
-    return Dispatch(request_id, card.id, _fan_out([template], body.n, body.seed), prompt_tokens, logprobs)
+    return Plan(request_id, card, [template], max_tokens, "messages", body.n, body.seed, logprobs)
 
 
-def completion_dispatch(
-    body: CompletionRequest, request_id: str, driver: Driver, default_cap: int
-) -> Dispatch:
+def completion_plan(body: CompletionRequest, request_id: str, driver: Driver) -> Plan:
     card = resolve_model(driver, body.model)
     if body.echo:
         raise InvalidRequestError("echo is not supported", "echo")
@@ -69,18 +118,29 @@ def completion_dispatch(
         raise InvalidRequestError("suffix is not supported", "suffix")
     base = _base_request(body, request_id, card.id, body.logprobs)
     prompts: list[GenerationRequest] = []
-    total_prompt = 0
     for prompt in _split_prompt(body.prompt):
-        one = (
-            msgspec.structs.replace(base, prompt=prompt)
-            if isinstance(prompt, str)
-            else msgspec.structs.replace(base, prompt_token_ids=prompt)
+        if isinstance(prompt, str):
+            _check_length(card, len(prompt), "prompt")
+            prompts.append(msgspec.structs.replace(base, prompt=prompt))
+        else:
+            prompts.append(msgspec.structs.replace(base, prompt_token_ids=prompt))
+    return Plan(request_id, card, prompts, body.max_tokens, "prompt", body.n, body.seed, body.logprobs)
+
+
+def _check_length(card: ModelCard, characters: int, prompt_name: Literal["messages", "prompt"]) -> None:
+    """Refuse, without tokenizing, a prompt too long for the context whatever its tokens.
+
+    Characters, not bytes: there are never more of them than bytes, and len() costs nothing."""
+    if card.max_model_len <= 0:
+        return  # not known yet: the model is loading, and tokenize() says so
+    limit = card.max_model_len * MAX_BYTES_PER_TOKEN
+    if characters > limit:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {card.max_model_len} tokens. However, your "
+            f"{prompt_name} is {characters} characters long, more than that context can hold "
+            f"({limit} characters at most). Please reduce the length of the {prompt_name}.",
+            prompt_name,
         )
-        count = driver.count_prompt_tokens(one)
-        budget = _completion_budget(card, count, body.max_tokens, default_cap, "prompt")
-        prompts.append(msgspec.structs.replace(one, max_tokens=budget))
-        total_prompt += count
-    return Dispatch(request_id, card.id, _fan_out(prompts, body.n, body.seed), total_prompt, body.logprobs)
 
 
 def _base_request(

@@ -56,7 +56,10 @@ class Observability:
         requests: list[GenerationRequest],
         tenant: str | None,
         trace_parent: str | None,
+        arrived: float | None = None,
     ) -> RequestTimeline:
+        """`arrived`: time.time() when the request reached the gateway (default: now), where its
+        TTFT, duration and trace start."""
         first = requests[0]
         return RequestTimeline(
             request_id=request_id,
@@ -65,6 +68,7 @@ class Observability:
             tenant=tenant,
             trace_parent=trace_parent,
             choices=[ChoiceTimeline(priority=r.priority) for r in requests],
+            started=time.time() if arrived is None else arrived,
             max_tokens=first.max_tokens,
             temperature=first.temperature,
         )

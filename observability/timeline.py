@@ -62,6 +62,9 @@ class RequestTimeline:
     tenant: str | None
     trace_parent: str | None  # the incoming W3C traceparent header
     choices: list[ChoiceTimeline]
+    # time.time() of the request's arrival at the gateway (before its body was read or its key
+    # checked): TTFT and duration count from here; each choice keeps the engine's own timestamps
+    # (arrival in the engine, first scheduled, first token, finished) for the queue/prefill/decode split.
     started: float = field(default_factory=time.time)
     max_tokens: int | None = None
     temperature: float | None = None

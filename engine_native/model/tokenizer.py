@@ -58,7 +58,9 @@ class TextTokenizer:
         return None if token_id is None else self.backend.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
+        # The batch call releases the GIL while the Rust code runs (`encode` holds it throughout), so a
+        # long prompt tokenized in a worker thread leaves the event loop's thread free; same ids.
+        ids: list[int] = self.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
         bos = self.bos_token_id
         # A chat template that writes BOS itself must not get a second one.
         if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):

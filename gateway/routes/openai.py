@@ -1,4 +1,8 @@
-"""OpenAI-compatible endpoints. Handlers decode, call the service, wrap the result; nothing more."""
+"""OpenAI-compatible endpoints. Handlers decode, call the service, wrap the result; nothing more.
+
+The completion routes stamp each request's arrival (`stamp_arrival`) before anything else runs for
+it, the key check and body read included, so that every latency the gateway reports starts there.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,13 @@ from litestar.background_tasks import BackgroundTask
 from litestar.di import NamedDependency
 from litestar.openapi import ResponseSpec
 from litestar.response import Stream
+from litestar.types import ASGIApp, Receive, Scope, Send
 
 from drivers.base import Driver
 from gateway.auth import TENANT_SECURITY
 from gateway.errors import invalid_body
 from gateway.openapi import error_responses, self_decoded_body
+from gateway.request_scope import Arrival
 from gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -32,6 +38,24 @@ from tenants.auth import TenantContext
 
 T = TypeVar("T")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+_ARRIVAL = "sluice_arrival"  # request.state key
+
+
+def stamp_arrival(app: ASGIApp) -> ASGIApp:
+    """Route middleware: it runs before the route's dependencies (the key check) and its handler."""
+
+    async def stamped(scope: Scope, receive: Receive, send: Send) -> None:
+        scope.setdefault("state", {})[_ARRIVAL] = Arrival.now()  # type: ignore[typeddict-unknown-key]
+        await app(scope, receive, send)
+
+    return stamped
+
+
+def _arrival(request: Request) -> Arrival:
+    arrival = request.state.get(_ARRIVAL)
+    return arrival if isinstance(arrival, Arrival) else Arrival.now()
 
 
 def _new_request_id(request: Request, prefix: str) -> str:
@@ -126,6 +150,7 @@ def _answer(body: type[msgspec.Struct]) -> ResponseSpec:
     security=TENANT_SECURITY,
     operation_class=self_decoded_body(ChatCompletionRequest),
     responses={200: _answer(ChatCompletion), **GENERATION_ERRORS},
+    middleware=[stamp_arrival],
 )
 async def chat_completions(
     request: Request,
@@ -134,7 +159,8 @@ async def chat_completions(
 ) -> Response[Any]:
     rid = _new_request_id(request, "chatcmpl")
     body = await _decode(request, ChatCompletionRequest)
-    return _reply(await _unless_disconnected(request, service.chat(body, rid, caller)), rid)
+    reply = service.chat(body, rid, caller, _arrival(request))
+    return _reply(await _unless_disconnected(request, reply), rid)
 
 
 @post(
@@ -143,6 +169,7 @@ async def chat_completions(
     security=TENANT_SECURITY,
     operation_class=self_decoded_body(CompletionRequest),
     responses={200: _answer(Completion), **GENERATION_ERRORS},
+    middleware=[stamp_arrival],
 )
 async def completions(
     request: Request,
@@ -151,7 +178,8 @@ async def completions(
 ) -> Response[Any]:
     rid = _new_request_id(request, "cmpl")
     body = await _decode(request, CompletionRequest)
-    return _reply(await _unless_disconnected(request, service.completion(body, rid, caller)), rid)
+    reply = service.completion(body, rid, caller, _arrival(request))
+    return _reply(await _unless_disconnected(request, reply), rid)
 
 
 @get("/v1/models", security=TENANT_SECURITY, responses=error_responses(401, 403))

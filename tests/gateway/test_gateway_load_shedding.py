@@ -218,6 +218,29 @@ def test_through_the_app_on_the_synthetic_driver_lowest_tier_is_refused_first() 
     assert high == [200, 200]
 
 
+def test_without_auth_a_request_that_names_no_priority_is_standard_not_premium() -> None:
+    driver = SyntheticDriver(tokens_per_second=5, ttft_s=0.01, max_num_seqs=1, max_waiting=8)
+    app = create_app(Settings(auth=False), driver)
+
+    async def main() -> dict[int, int]:
+        await driver.start()
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            body = {"prompt": "a b c", "max_tokens": 20}
+            first = asyncio.create_task(client.post("/v1/completions", json=body))  # takes the one slot
+            while (await driver.health()).running == 0:
+                await asyncio.sleep(0.01)
+            second = asyncio.create_task(client.post("/v1/completions", json=body))  # queues behind it
+            while not (await driver.health()).waiting:
+                await asyncio.sleep(0.01)
+            queued = dict((await driver.health()).waiting_work_by_priority)
+            await asyncio.gather(first, second)
+            return queued
+
+    queued = asyncio.run(main())
+    assert list(queued) == [1]
+
+
 def test_body_priority_rejects_negative_values() -> None:
     app = create_app(Settings(auth=False), SyntheticDriver(tokens_per_second=0, ttft_s=0))
     from litestar.testing import TestClient

@@ -40,8 +40,8 @@ def test_prompt_count_matches_generation_and_chat_template() -> None:
     chat = GenerationRequest(
         request_id="c", model="synthetic", messages=[ChatMessage("system", "x y"), ChatMessage("user", "z")]
     )
-    assert driver.count_prompt_tokens(chat) == 1 + (1 + 2 + 1) + (1 + 1 + 1) + 1
-    assert driver.count_prompt_tokens(req("p")) == 4
+    assert len(asyncio.run(driver.tokenize(chat))) == 1 + (1 + 2 + 1) + (1 + 1 + 1) + 1
+    assert len(asyncio.run(driver.tokenize(req("p")))) == 4
 
     async def main() -> int:
         await driver.start()
@@ -108,6 +108,4 @@ def test_context_and_token_id_validation() -> None:
     with pytest.raises(InvalidRequestError, match="maximum context length is 8"):
         asyncio.run(anext(driver.generate(req("a", max_tokens=6))))
     with pytest.raises(InvalidRequestError):
-        driver.count_prompt_tokens(
-            GenerationRequest(request_id="t", model="synthetic", prompt_token_ids=[-1])
-        )
+        asyncio.run(driver.tokenize(GenerationRequest(request_id="t", model="synthetic", prompt_token_ids=[-1])))
