@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from drivers.base import (
     Driver,
@@ -29,6 +30,7 @@ from drivers.base import (
     TopLogprob,
 )
 from drivers.native_nodes import NodeSupervisor
+from drivers.options import EngineOptions, overrides
 from engine_native.client import AsyncEngineClient, EngineRequestError
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_native.messages import AddRequest, LogprobEntry, RequestOutput
@@ -50,69 +52,85 @@ _FINISH = {
 }
 
 
+DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"  # the bundled model's id
+
+
+@dataclass(frozen=True)
+class NativeDriverConfig:
+    """The native driver: its engines (one config, copied per node) and how it watches them."""
+
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(
+        model_path=bundled_model_path(), served_model_name=DEFAULT_SERVED_MODEL_NAME
+    ))
+    """Every engine's config; `node_id` is set per engine (node-0..N-1)."""
+    num_engines: int = 1
+    node_health: NodeHealthConfig = field(default_factory=NodeHealthConfig)
+    fault_step_delay: Mapping[str, float] = field(default_factory=dict)
+    """Chaos testing: extra sleep after every engine step, by node id, from the start."""
+    progress: bool = True
+    """Show a progress bar while a model loads."""
+
+    @property
+    def served_model_name(self) -> str:
+        return self.engine.served_model_name or DEFAULT_SERVED_MODEL_NAME
+
+    def engine_config(self, index: int) -> EngineConfig:
+        return replace(self.engine, node_id=f"node-{index}")
+
+    @classmethod
+    def from_options(cls, options: EngineOptions) -> NativeDriverConfig:
+        """Options left unset keep the defaults of `engine_native.config` and of this class."""
+        o = options
+        scheduler = replace(SchedulerConfig(), **overrides(
+            max_num_seqs=o.max_num_seqs,
+            max_num_batched_tokens=o.max_num_batched_tokens,
+            long_prefill_token_threshold=o.long_prefill_token_threshold,
+            max_waiting=o.max_waiting,
+        ))
+        if o.max_waiting_tokens is not None:  # 0: no token bound
+            scheduler = replace(scheduler, max_waiting_tokens=o.max_waiting_tokens or None)
+        cache = replace(CacheConfig(), **overrides(
+            memory_bytes=o.kv_cache_memory_bytes, enable_prefix_caching=o.enable_prefix_caching
+        ))
+        engine = EngineConfig(
+            model_path=o.model or bundled_model_path(),
+            served_model_name=o.served_model_name or DEFAULT_SERVED_MODEL_NAME,
+            cache=cache,
+            scheduler=scheduler,
+            **overrides(dtype=o.dtype, num_threads=o.num_threads, max_model_len=o.max_model_len),
+        )
+        return cls(
+            engine=engine,
+            fault_step_delay=dict(o.fault_step_delay),
+            **overrides(num_engines=o.num_engines, node_health=o.node_health),
+        )
+
+
 class NativeDriver(Driver):
-    def __init__(
-        self,
-        model_path: str | None = None,
-        dtype: str = "bfloat16",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        kv_cache_memory_bytes: int | None = None,
-        served_model_name: str | None = None,
-        num_threads: int | None = None,
-        max_waiting: int = 1024,
-        num_engines: int = 1,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        long_prefill_token_threshold: int = 256,
-        max_model_len: int | None = None,
-        progress: bool = True,
-        node_health: NodeHealthConfig | None = None,
-        fault_step_delay: dict[str, float] | None = None,
-        enable_prefix_caching: bool = True,
-        max_waiting_tokens: int | None = 1 << 18,
-    ) -> None:
-        self.model_path = model_path or bundled_model_path()
-        self.served_model_name = served_model_name or "smollm2-135m-instruct"
-        self.max_waiting = max_waiting
-        self._configs = [
-            EngineConfig(
-                model_path=self.model_path,
-                dtype=dtype,
-                num_threads=num_threads,
-                max_model_len=max_model_len,
-                served_model_name=self.served_model_name,
-                node_id=f"node-{i}",
-                cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                                  memory_bytes=kv_cache_memory_bytes,
-                                  enable_prefix_caching=enable_prefix_caching),
-                scheduler=SchedulerConfig(
-                    max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens,
-                    long_prefill_token_threshold=long_prefill_token_threshold,
-                    max_waiting=max_waiting,
-                    max_waiting_tokens=max_waiting_tokens,
-                ),
-            )
-            for i in range(num_engines)
-        ]
-        self._progress = progress
-        self._node_health = node_health
-        self._fault_step_delay = fault_step_delay or {}
+    def __init__(self, config: NativeDriverConfig | None = None) -> None:
+        self.config = config or NativeDriverConfig()
+        self.served_model_name = self.config.served_model_name
         self.supervisor: NodeSupervisor | None = None
         self.engines: list[AsyncEngineClient] = []
         self.tokenizer: Tokenizer | None = None
         self.ready = False  # True once every engine has loaded its model
         self.max_model_len = 0
 
+    @classmethod
+    def from_options(cls, options: EngineOptions) -> NativeDriver:
+        return cls(NativeDriverConfig.from_options(options))
+
     # ----- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
-        self.engines = [AsyncEngineClient(c, progress=self._progress) for c in self._configs]
+        config = self.config
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, config.engine.model_path)
+        self.engines = [
+            AsyncEngineClient(config.engine_config(i), progress=config.progress) for i in range(config.num_engines)
+        ]
         infos = await asyncio.gather(*(e.start() for e in self.engines))
         self.max_model_len = min(i.max_model_len for i in infos)
-        self.supervisor = NodeSupervisor(self.engines, self._node_health, self._fault_step_delay)
+        self.supervisor = NodeSupervisor(self.engines, config.node_health, config.fault_step_delay)
         await self.supervisor.start()
         self.ready = True
         log.info("native driver ready: model=%s nodes=%d max_model_len=%d",
@@ -196,7 +214,7 @@ class NativeDriver(Driver):
         prompt_ids = self.prompt_token_ids(request)
         params = self._sampling_params(request, len(prompt_ids))
         engine = self._pick_engine()
-        capacity = engine.config.scheduler.max_num_seqs + self.max_waiting
+        capacity = engine.config.scheduler.max_num_seqs + engine.config.scheduler.max_waiting
         if engine.num_in_flight >= capacity:
             raise OverloadedError(f"{engine.num_in_flight} requests in flight on {engine.config.node_id}",
                                   retry_after=self._retry_after(engine))

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from drivers.base import InvalidRequestError, NodeEvent, NodeInfo, NodesReport
 from engine_native.client import AsyncEngineClient
@@ -55,7 +55,7 @@ class NodeSupervisor:
         self,
         engines: Sequence[AsyncEngineClient],
         config: NodeHealthConfig | None = None,
-        fault_step_delay: dict[str, float] | None = None,
+        fault_step_delay: Mapping[str, float] | None = None,
     ) -> None:
         self.engines = list(engines)
         self.monitor = NodeHealthMonitor([e.config.node_id for e in self.engines], config)

@@ -38,6 +38,7 @@ from drivers.base import (
     TokenLogprob,
     TopLogprob,
 )
+from drivers.options import EngineOptions, overrides
 
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 # Ids 0..3 are specials; words follow. Two-syllable words give a 4,900-word vocabulary.
@@ -68,9 +69,8 @@ class SyntheticDriver(Driver):
         tokens_per_second: float = 50.0,
         ttft_s: float = 0.05,
         max_model_len: int = 4096,
-        max_num_seqs: int = 256,
-        max_waiting: int = 1024,
-        **_ignored: object,  # engine options the CLI passes to every driver (dtype, ...)
+        max_num_seqs: int = 64,  # the native engine's bounds, so both drivers serve alike by default
+        max_waiting: int = 256,
     ) -> None:
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
@@ -92,6 +92,19 @@ class SyntheticDriver(Driver):
         self._tokens_generated = 0
         self._waiting_tokens = 0
         self._waiting_work: dict[int, int] = {}  # priority -> prompt + budget of the waiting requests
+
+    @classmethod
+    def from_options(cls, options: EngineOptions) -> SyntheticDriver:
+        """The options that mean something to a model-free engine; unset ones keep the defaults above."""
+        o = options
+        return cls(**overrides(
+            model_name=o.served_model_name,
+            tokens_per_second=o.synthetic_tokens_per_second,
+            ttft_s=o.synthetic_ttft_s,
+            max_model_len=o.max_model_len,
+            max_num_seqs=o.max_num_seqs,
+            max_waiting=o.max_waiting,
+        ))
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -9,8 +9,9 @@ import logging
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
 
+from drivers.options import EngineOptions
 from gateway.settings import Settings
 
 log = logging.getLogger("sluice.cli")
@@ -28,6 +29,9 @@ def parse_bytes(text: str) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Settings) -> None:
+    # Engine flags default to None: the value comes from the environment when set there, else from the
+    # driver's own defaults (engine_native/config.py for the native engine), so each lives in one place.
+    e = env.engine
     p = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible gateway",
@@ -38,15 +42,17 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     p.add_argument("--driver", default=env.driver, help="engine driver: native or synthetic (SLUICE_DRIVER)")
     p.add_argument(
         "--model",
-        default=env.model,
+        default=e.model,
         help="model path for the native driver; default: the bundled model (SLUICE_MODEL)",
     )
     p.add_argument("--served-model-name", default=None, help="model id clients send; default: the driver's")
     p.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight/activation dtype"
+        "--dtype", default=None, choices=["bfloat16", "float32"], help="weight/activation dtype; default: the engine's"
     )
-    p.add_argument("--max-num-seqs", type=int, default=64, help="cap on sequences running in one engine step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="cap on sequences running in one engine step; default: the engine's")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step; default: the engine's")
     p.add_argument(
         "--kv-cache-memory",
         type=parse_bytes,
@@ -58,23 +64,24 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     p.add_argument(
         "--max-waiting",
         type=int,
-        default=env.max_waiting,
-        help="queued requests beyond the running ones before 503 (SLUICE_MAX_WAITING)",
+        default=e.max_waiting,
+        help="queued requests beyond the running ones before 503 (SLUICE_MAX_WAITING); default: the engine's",
     )
     p.add_argument(
         "--max-waiting-tokens",
         type=int,
-        default=env.max_waiting_tokens,
-        help="queued prompt tokens before 503 (SLUICE_MAX_WAITING_TOKENS)",
+        default=e.max_waiting_tokens,
+        help="queued prompt tokens before 503, 0: no bound (SLUICE_MAX_WAITING_TOKENS); default: the engine's",
     )
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
-        default=256,
-        help="largest prefill chunk of one request per step (lower: steadier decode latency)",
+        default=None,
+        help="largest prefill chunk of one request per step (lower: steadier decode latency); default: the engine's",
     )
     p.add_argument(
-        "--no-prefix-caching", dest="prefix_caching", action="store_false", help="do not reuse KV of shared prefixes"
+        "--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
+        help="do not reuse KV of shared prefixes",
     )
     p.add_argument(
         "--no-load-shedding",
@@ -106,11 +113,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     p.add_argument(
         "--synthetic-tokens-per-second",
         type=float,
-        default=50.0,
-        help="synthetic driver: decode rate per request (0 = unthrottled)",
+        default=None,
+        help="synthetic driver: decode rate per request (0 = unthrottled); default: the driver's",
     )
     p.add_argument(
-        "--synthetic-ttft-ms", type=float, default=50.0, help="synthetic driver: time to first token"
+        "--synthetic-ttft-ms", type=float, default=None, help="synthetic driver: time to first token; default: the driver's"
     )
     _add_node_arguments(p)
     p.set_defaults(func=_serve)
@@ -121,7 +128,7 @@ def _add_node_arguments(p: argparse.ArgumentParser) -> None:
 
     d = NodeHealthConfig()
     g = p.add_argument_group("engine nodes (native driver; see docs/observability.md)")
-    g.add_argument("--engines", type=int, default=1, help="engine processes (nodes node-0..N-1)")
+    g.add_argument("--engines", type=int, default=None, help="engine processes (nodes node-0..N-1); default: 1")
     g.add_argument(
         "--fault-step-delay", action="append", default=[], metavar="NODE=SECONDS",
         help="chaos testing: extra sleep after every engine step of NODE (repeatable)",
@@ -137,7 +144,8 @@ def _add_node_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without a token, with work in flight, before a node is stalled")
 
 
-def _node_options(args: argparse.Namespace) -> dict[str, Any]:
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine's knobs from the parsed `serve` flags (whose defaults already hold the environment)."""
     from observability.node_health import NodeHealthConfig
 
     delays = {}
@@ -150,36 +158,26 @@ def _node_options(args: argparse.Namespace) -> dict[str, Any]:
         window_s=args.node_window, min_samples=args.node_min_samples, min_ratio=args.node_min_ratio,
         flag_after=args.node_flag_after, unflag_after=args.node_unflag_after, stall_after_s=args.node_stall_after,
     )
-    return {"num_engines": args.engines, "fault_step_delay": delays, "node_health": health}
-
-
-def _driver_options(args: argparse.Namespace) -> dict[str, Any]:
-    if args.driver == "synthetic":
-        options: dict[str, Any] = {
-            "model_name": args.served_model_name or "synthetic",
-            "tokens_per_second": args.synthetic_tokens_per_second,
-            "ttft_s": args.synthetic_ttft_ms / 1000.0,
-            "max_num_seqs": args.max_num_seqs,
-            "max_waiting": args.max_waiting,
-        }
-        if args.max_model_len:
-            options["max_model_len"] = args.max_model_len
-        return options
-    return {
-        "model_path": args.model,
-        "dtype": args.dtype,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "kv_cache_memory_bytes": args.kv_cache_memory,
-        "served_model_name": args.served_model_name,
-        "num_threads": args.num_threads,
-        **_node_options(args),
-        "max_waiting": args.max_waiting,
-        "max_waiting_tokens": args.max_waiting_tokens,
-        "long_prefill_token_threshold": args.long_prefill_token_threshold,
-        "enable_prefix_caching": args.prefix_caching,
-        **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
-    }
+    ttft_ms = args.synthetic_ttft_ms
+    return EngineOptions(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        num_threads=args.num_threads,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_waiting=args.max_waiting,
+        max_waiting_tokens=args.max_waiting_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        enable_prefix_caching=args.prefix_caching,
+        num_engines=args.engines,
+        node_health=health,
+        fault_step_delay=delays,
+        synthetic_tokens_per_second=args.synthetic_tokens_per_second,
+        synthetic_ttft_s=ttft_ms / 1000.0 if ttft_ms is not None else None,
+    )
 
 
 def _serve(args: argparse.Namespace, env: Settings) -> int:
@@ -189,27 +187,23 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
     from gateway.app import create_app
     from gateway.logs import configure_logging
 
-    settings = Settings(
-        **{
-            **{f: getattr(env, f) for f in env.__dataclass_fields__},
-            "host": args.host,
-            "port": args.port,
-            "driver": args.driver,
-            "model": args.model,
-            "max_waiting": args.max_waiting,
-            "max_waiting_tokens": args.max_waiting_tokens,
-            "load_shedding": args.load_shedding,
-            "max_body_bytes": args.max_body_bytes,
-            "stream_timeout_s": args.stream_timeout,
-            "log_level": args.log_level.upper(),
-            "auth": args.auth,
-        }
+    settings = replace(
+        env,
+        host=args.host,
+        port=args.port,
+        driver=args.driver,
+        engine=engine_options(args),
+        load_shedding=args.load_shedding,
+        max_body_bytes=args.max_body_bytes,
+        stream_timeout_s=args.stream_timeout,
+        log_level=args.log_level.upper(),
+        auth=args.auth,
     )
     configure_logging(settings.log_level, log_prompts=settings.log_prompts)
-    driver = create_driver(settings.driver, **_driver_options(args))
+    driver = create_driver(settings.driver, settings.engine)
     app = create_app(settings, driver)
     base = f"http://{settings.host}:{settings.port}"
-    log.info("starting", extra={"address": base, "driver": settings.driver, "model": settings.model})
+    log.info("starting", extra={"address": base, "driver": settings.driver, "model": settings.engine.model})
     auth_header = "-H \"authorization: Bearer $SLUICE_KEY\" " if settings.auth else ""
     print(
         f"Sluice listening on {base} (driver {settings.driver}, auth {'on' if settings.auth else 'off'}). Try:\n"
