@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from drivers.base import (
     Driver,
+    DriverError,
     DriverHealth,
     EngineDeadError,
     FinishReason,
@@ -31,13 +32,14 @@ from drivers.base import (
 )
 from drivers.native_nodes import NodeSupervisor
 from drivers.options import EngineOptions, overrides
-from engine_native.client import AsyncEngineClient, EngineRequestError
+from engine_native import errors as engine_errors
+from engine_native.client import AsyncEngineClient
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_native.messages import AddRequest, LogprobEntry, RequestOutput
+from engine_native.messages import FinishReason as EngineFinishReason
 from engine_native.model.base import Tokenizer
 from engine_native.model.bundled import bundled_model_path
 from engine_native.model.loader import load_tokenizer
-from engine_native.request import FinishReason as EngineFinishReason
 from engine_native.sampling_params import SamplingParams
 from observability.node_health import NodeHealthConfig
 
@@ -228,20 +230,16 @@ class NativeDriver(Driver):
                 arrival_time=arrival,
                 tenant_id=request.tenant_id,
             ))
-        except EngineRequestError as exc:
-            raise EngineDeadError(str(exc)) from exc
+        except engine_errors.EngineError as exc:
+            raise self._driver_error(exc, engine) from exc
         timer = self.supervisor.timer(engine, arrival, len(prompt_ids)) if self.supervisor else None
         finished = False
         try:
             while True:
                 item = await stream.get()
-                if isinstance(item, EngineRequestError):
+                if isinstance(item, engine_errors.EngineError):
                     finished = True
-                    if item.engine_dead:
-                        raise EngineDeadError(str(item))
-                    if item.queue_full:
-                        raise OverloadedError(str(item), retry_after=self._retry_after(engine))
-                    raise InvalidRequestError(str(item))
+                    raise self._driver_error(item, engine)
                 finished = item.finish_reason is not None
                 if timer is not None:
                     timer.on_output(item)
@@ -251,6 +249,14 @@ class NativeDriver(Driver):
         finally:
             if not finished:
                 engine.abort([request.request_id])
+
+    def _driver_error(self, exc: engine_errors.EngineError, engine: AsyncEngineClient) -> DriverError:
+        """The one mapping of the engine's errors to the driver seam's."""
+        if isinstance(exc, engine_errors.QueueFullError):
+            return OverloadedError(str(exc), retry_after=self._retry_after(engine))
+        if isinstance(exc, engine_errors.InvalidRequestError):
+            return InvalidRequestError(str(exc))
+        return EngineDeadError(str(exc))
 
     def _retry_after(self, engine: AsyncEngineClient) -> float:
         """Seconds until the queue ahead has likely drained, from the engine's recent throughput."""
@@ -267,7 +273,7 @@ class NativeDriver(Driver):
             token_ids=out.new_token_ids,
             prompt_tokens=out.num_prompt_tokens,
             completion_tokens=out.num_output_tokens,
-            finish_reason=_FINISH[EngineFinishReason(out.finish_reason)] if out.finish_reason is not None else None,
+            finish_reason=_FINISH[out.finish_reason] if out.finish_reason is not None else None,
             logprobs=[_logprob(e) for e in out.logprobs] if out.logprobs is not None else None,
             arrival_time=out.arrival_time,
             first_scheduled_time=out.first_scheduled_time,

@@ -2,7 +2,8 @@
 
 A reader thread blocks on the engine's pipe and hands each message to the
 event loop; a writer thread sends, so a busy engine never blocks the loop.
-Each request gets an asyncio.Queue of `RequestOutput | EngineRequestError`.
+Each request gets an asyncio.Queue of `RequestOutput | EngineError`: a request
+that ends without output ends with one of the typed errors of `errors.py`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import msgspec
 
 from engine_native.config import EngineConfig
+from engine_native.errors import EngineDeadError, EngineError, InvalidRequestError, QueueFullError
 from engine_native.messages import (
     AbortRequest,
     AddRejected,
@@ -26,6 +28,7 @@ from engine_native.messages import (
     EngineMessage,
     EngineReady,
     EngineStats,
+    RejectReason,
     RequestOutput,
     SetFault,
     Shutdown,
@@ -36,20 +39,11 @@ from engine_native.process import engine_main
 log = logging.getLogger(__name__)
 
 
-class EngineRequestError(Exception):
-    """A request ended without output: rejected (queue full / invalid) or the engine died."""
-
-    def __init__(self, message: str, *, queue_full: bool = False, engine_dead: bool = False) -> None:
-        super().__init__(message)
-        self.queue_full = queue_full
-        self.engine_dead = engine_dead
-
-
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         self._progress = progress
-        self._streams: dict[str, asyncio.Queue[RequestOutput | EngineRequestError]] = {}
+        self._streams: dict[str, asyncio.Queue[RequestOutput | EngineError]] = {}
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[EngineReady] | None = None
@@ -104,11 +98,12 @@ class AsyncEngineClient:
 
     # ----- requests --------------------------------------------------------------------
 
-    def add(self, msg: AddRequest) -> asyncio.Queue[RequestOutput | EngineRequestError]:
+    def add(self, msg: AddRequest) -> asyncio.Queue[RequestOutput | EngineError]:
+        """Send a request; its outputs, or the error it ended with, arrive on the returned queue.
+        Raises EngineDeadError when the engine is not running."""
         if not self.alive:
-            raise EngineRequestError(f"engine {self.config.node_id} is not running: {self.dead_reason}",
-                                     engine_dead=True)
-        stream: asyncio.Queue[RequestOutput | EngineRequestError] = asyncio.Queue()
+            raise EngineDeadError(f"engine {self.config.node_id} is not running: {self.dead_reason}")
+        stream: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
         self._streams[msg.request_id] = stream
         self._send(msg)
         return stream
@@ -182,7 +177,8 @@ class AsyncEngineClient:
         elif isinstance(msg, AddRejected):
             stream = self._streams.pop(msg.request_id, None)
             if stream is not None:
-                stream.put_nowait(EngineRequestError(msg.reason, queue_full=msg.queue_full))
+                error = QueueFullError if msg.reason is RejectReason.QUEUE_FULL else InvalidRequestError
+                stream.put_nowait(error(msg.message))
         elif isinstance(msg, EngineReady):
             self.info = msg
         elif isinstance(msg, EngineFailed):
@@ -199,4 +195,4 @@ class AsyncEngineClient:
     def _fail_all(self, reason: str) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream.put_nowait(EngineRequestError(reason, engine_dead=True))
+            stream.put_nowait(EngineDeadError(reason))

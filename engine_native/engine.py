@@ -199,7 +199,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             token_time=now or time.time(),
-            finish_reason=int(reason) if reason is not None else None,
+            finish_reason=reason,
             stop_reason=request.stop_reason,
             logprobs=logprobs,
             arrival_time=request.arrival_time,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine_native.messages import FinishReason
 from engine_native.sampling_params import SamplingParams
 
 
@@ -36,12 +37,6 @@ class RequestStatus(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
-
-
-class FinishReason(enum.IntEnum):
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
 
 
 _FINISH_REASON_OF_STATUS = {

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine_native.config import SchedulerConfig
+from engine_native.errors import QueueFullError
 from engine_native.fair_queue import FairShare, WaitingQueue, tenant_of
 from engine_native.kv_cache_manager import KVCacheManager, cdiv
 from engine_native.request import Request, RequestStatus
@@ -72,10 +73,6 @@ class TokenUpdate:
     new_token_id: int
     logprobs: TokenLogprobs | None
     finished: bool
-
-
-class QueueFullError(Exception):
-    """The waiting queue is at its bound; the caller should retry later."""
 
 
 def _victim_order(request: Request) -> tuple[int, float]:
