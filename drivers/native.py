@@ -3,7 +3,9 @@
 Prompts are tokenized in the gateway process (so lengths can be checked and
 charged before dispatch); the engine process detokenizes and applies stop
 strings. Requests go to the healthy engine node with the fewest requests in flight
-(`native_nodes.NodeSupervisor` judges health and carries fault injection).
+(`native_nodes.NodeRouter` judges health and carries fault injection). An engine
+process that dies is restarted by `supervisor.EngineSupervisor`; meanwhile the
+others serve (ready, degraded), and the driver is not live once it gave up on one.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from drivers.base import (
     ModelNotFoundError,
     NodesReport,
     OverloadedError,
+    ShuttingDownError,
     TokenLogprob,
     TopLogprob,
 )
-from drivers.native_nodes import NodeSupervisor
+from drivers.native_nodes import NodeRouter
 from drivers.options import EngineOptions, overrides
+from drivers.supervisor import EngineSupervisor, RestartPolicy
 from engine_native import errors as engine_errors
 from engine_native.client import AsyncEngineClient
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -67,6 +71,8 @@ class NativeDriverConfig:
     """Every engine's config; `node_id` is set per engine (node-0..N-1)."""
     num_engines: int = 1
     node_health: NodeHealthConfig = field(default_factory=NodeHealthConfig)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    """How dead engines are restarted, and when to give up (drivers/supervisor.py)."""
     fault_step_delay: Mapping[str, float] = field(default_factory=dict)
     """Chaos testing: extra sleep after every engine step, by node id, from the start."""
     progress: bool = True
@@ -104,7 +110,7 @@ class NativeDriverConfig:
         return cls(
             engine=engine,
             fault_step_delay=dict(o.fault_step_delay),
-            **overrides(num_engines=o.num_engines, node_health=o.node_health),
+            **overrides(num_engines=o.num_engines, node_health=o.node_health, restart=o.restart),
         )
 
 
@@ -112,7 +118,8 @@ class NativeDriver(Driver):
     def __init__(self, config: NativeDriverConfig | None = None) -> None:
         self.config = config or NativeDriverConfig()
         self.served_model_name = self.config.served_model_name
-        self.supervisor: NodeSupervisor | None = None
+        self.router: NodeRouter | None = None
+        self.supervisor: EngineSupervisor | None = None
         self.engines: list[AsyncEngineClient] = []
         self.tokenizer: Tokenizer | None = None
         self.ready = False  # True once every engine has loaded its model
@@ -132,16 +139,24 @@ class NativeDriver(Driver):
         ]
         infos = await asyncio.gather(*(e.start() for e in self.engines))
         self.max_model_len = min(i.max_model_len for i in infos)
-        self.supervisor = NodeSupervisor(self.engines, config.node_health, config.fault_step_delay)
+        self.router = NodeRouter(self.engines, config.node_health, config.fault_step_delay)
+        await self.router.start()
+        self.supervisor = EngineSupervisor(self.engines, config.restart, listener=self.router)
         await self.supervisor.start()
         self.ready = True
         log.info("native driver ready: model=%s nodes=%d max_model_len=%d",
                  self.served_model_name, len(self.engines), self.max_model_len)
 
     async def stop(self) -> None:
+        """Stop supervising (nothing is restarted any more), then shut the engines down: requests on
+        them end with an error. Idempotent."""
+        self.ready = False
         if self.supervisor is not None:
             await self.supervisor.stop()
-        await asyncio.gather(*(e.shutdown() for e in self.engines), return_exceptions=True)
+        if self.router is not None:
+            await self.router.stop()
+        engines, self.engines = self.engines, []
+        await asyncio.gather(*(e.shutdown() for e in engines), return_exceptions=True)
 
     # ----- the seam --------------------------------------------------------------------
 
@@ -206,11 +221,13 @@ class NativeDriver(Driver):
     def _pick_engine(self) -> AsyncEngineClient:
         alive = [e for e in self.engines if e.alive]
         if not alive:
-            reasons = "; ".join(f"{e.config.node_id}: {e.dead_reason}" for e in self.engines)
-            raise EngineDeadError(f"no engine is running ({reasons})")
-        if self.supervisor is None:
+            if self.supervisor is None:
+                raise EngineDeadError("no engine is running")
+            states = "; ".join(f"{e.config.node_id}: {self.supervisor.describe(e.config.node_id)}" for e in self.engines)
+            raise EngineDeadError(f"no engine is running ({states})")
+        if self.router is None:
             return min(alive, key=lambda e: e.num_in_flight)
-        return self.supervisor.pick(alive)
+        return self.router.pick(alive)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         prompt_ids = self.prompt_token_ids(request)
@@ -232,7 +249,7 @@ class NativeDriver(Driver):
             ))
         except engine_errors.EngineError as exc:
             raise self._driver_error(exc, engine) from exc
-        timer = self.supervisor.timer(engine, arrival, len(prompt_ids)) if self.supervisor else None
+        timer = self.router.timer(engine, arrival, len(prompt_ids)) if self.router else None
         finished = False
         try:
             while True:
@@ -256,6 +273,8 @@ class NativeDriver(Driver):
             return OverloadedError(str(exc), retry_after=self._retry_after(engine))
         if isinstance(exc, engine_errors.InvalidRequestError):
             return InvalidRequestError(str(exc))
+        if isinstance(exc, engine_errors.EngineShutDownError):
+            return ShuttingDownError("The server is shutting down; retry the request", retry_after=1.0)
         return EngineDeadError(str(exc))
 
     def _retry_after(self, engine: AsyncEngineClient) -> float:
@@ -285,28 +304,32 @@ class NativeDriver(Driver):
         )
 
     def nodes(self) -> NodesReport:
-        return self.supervisor.report() if self.supervisor is not None else NodesReport([], [])
+        return self.router.report() if self.router is not None else NodesReport([], [])
 
     async def set_fault(self, node_id: str, step_delay_s: float, stall: bool) -> None:
-        if self.supervisor is None:
+        if self.router is None:
             raise InvalidRequestError("the driver is not started")
-        await self.supervisor.set_fault(node_id, step_delay_s, stall)
+        await self.router.set_fault(node_id, step_delay_s, stall)
 
     async def abort(self, request_id: str) -> None:
         for engine in self.engines:
             engine.abort([request_id])
 
     async def health(self) -> DriverHealth:
+        """Ready while any engine runs; degraded while some do not; not live once the supervisor gave up."""
         alive = [e for e in self.engines if e.alive]
         stats = [e.stats for e in alive if e.stats is not None]
-        if not self.ready:
+        if self.supervisor is None:
             return DriverHealth(ready=False, detail="the model is loading")
-        detail = "" if len(alive) == len(self.engines) else "; ".join(
-            f"{e.config.node_id}: {e.dead_reason}" for e in self.engines if not e.alive
-        )
+        if not self.ready:
+            return DriverHealth(ready=False, detail="the driver is stopped")
+        down = [e for e in self.engines if not e.alive]
+        detail = "; ".join(f"{e.config.node_id}: {self.supervisor.describe(e.config.node_id)}" for e in down)
         return DriverHealth(
-            ready=len(alive) == len(self.engines),
-            detail=detail,
+            ready=bool(alive),
+            detail=f"degraded: {len(alive)} of {len(self.engines)} engines up; {detail}" if down else "",
+            live=not self.supervisor.gave_up,
+            degraded=bool(down),
             running=sum(s.running for s in stats),
             waiting=sum(s.waiting for s in stats),
             kv_blocks_used=sum(s.kv_blocks_used for s in stats),

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from drivers.supervisor import RestartPolicy
 from observability.node_health import NodeHealthConfig
 
 
@@ -48,6 +49,8 @@ class EngineOptions:
     """Engine processes of the native driver, nodes node-0..N-1 (--engines)."""
     node_health: NodeHealthConfig | None = None
     """Sluggish / stalled node detection (the --node-* flags)."""
+    restart: RestartPolicy | None = None
+    """Restarting dead engines, and when to give up (SLUICE_ENGINE_*, the --engine-* flags)."""
     fault_step_delay: Mapping[str, float] = field(default_factory=dict)
     """Chaos testing: extra sleep after every engine step, by node (--fault-step-delay NODE=SECONDS)."""
     synthetic_tokens_per_second: float | None = None

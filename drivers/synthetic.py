@@ -35,6 +35,7 @@ from drivers.base import (
     NodeInfo,
     NodesReport,
     OverloadedError,
+    ShuttingDownError,
     TokenLogprob,
     TopLogprob,
 )
@@ -112,6 +113,7 @@ class SyntheticDriver(Driver):
         self._started = True
 
     async def stop(self) -> None:
+        """Requests still running end with ShuttingDownError."""
         self._started = False
         for live in self._live.values():
             live.aborted.set()
@@ -259,6 +261,8 @@ class SyntheticDriver(Driver):
         for i in range(budget):
             due = start + self.ttft_s + i * self.token_interval_s
             if await self._sleep_until(due, live):
+                if not self._started:  # stopped under it: the server is shutting down, not the client gone
+                    raise ShuttingDownError("The server is shutting down; retry the request", retry_after=1.0)
                 yield self._chunk(request, "", [], len(prompt_ids), i, FinishReason.ABORT, None)
                 return
             tid = rng.randrange(_FIRST_WORD, len(VOCAB))

@@ -5,6 +5,7 @@
     │   ├── QueueFullError        the waiting queue is at a bound: retry later
     │   └── InvalidRequestError   it can never run as sent
     └── EngineDeadError           the engine process exited or failed; its requests end with this
+        └── EngineShutDownError   ... because it was shut down on purpose (the server is stopping)
 
 A driver maps these to its own seam's errors (`drivers.native`); nothing here knows about HTTP.
 """
@@ -30,3 +31,7 @@ class InvalidRequestError(RequestRejectedError):
 
 class EngineDeadError(EngineError):
     """The engine process is gone (crashed, killed, failed to start); requests on it end with this."""
+
+
+class EngineShutDownError(EngineDeadError):
+    """The engine was shut down on purpose; the requests still on it end with this."""

@@ -103,6 +103,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
         help="lifetime cap of one generation in seconds (SLUICE_STREAM_TIMEOUT_S)",
     )
     p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=env.drain_timeout_s,
+        help="on SIGTERM, seconds requests in flight may run on before they are ended (SLUICE_DRAIN_TIMEOUT_S)",
+    )
+    p.add_argument(
         "--no-auth",
         dest="auth",
         action="store_false",
@@ -120,6 +126,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
         "--synthetic-ttft-ms", type=float, default=None, help="synthetic driver: time to first token; default: the driver's"
     )
     _add_node_arguments(p)
+    _add_restart_arguments(p, env)
     p.set_defaults(func=_serve)
 
 
@@ -144,8 +151,25 @@ def _add_node_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without a token, with work in flight, before a node is stalled")
 
 
+def _add_restart_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
+    from drivers.supervisor import RestartPolicy
+
+    d = env.engine.restart or RestartPolicy()
+    g = p.add_argument_group("engine supervision (native driver; see docs/engine.md)")
+    g.add_argument("--engine-restart-backoff", type=float, default=d.backoff_initial_s,
+                   help="seconds before restarting a dead engine, doubling per death (SLUICE_ENGINE_RESTART_BACKOFF_S)")
+    g.add_argument("--engine-restart-backoff-max", type=float, default=d.backoff_max_s,
+                   help="cap of the restart backoff, seconds")
+    g.add_argument("--engine-max-failures", type=int, default=d.max_failures,
+                   help="engine deaths within the window that make a crash loop: give up, /healthz 503 "
+                        "(SLUICE_ENGINE_MAX_FAILURES)")
+    g.add_argument("--engine-failure-window", type=float, default=d.failure_window_s,
+                   help="the crash-loop window, seconds (SLUICE_ENGINE_FAILURE_WINDOW_S)")
+
+
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine's knobs from the parsed `serve` flags (whose defaults already hold the environment)."""
+    from drivers.supervisor import RestartPolicy
     from observability.node_health import NodeHealthConfig
 
     delays = {}
@@ -174,6 +198,12 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         enable_prefix_caching=args.prefix_caching,
         num_engines=args.engines,
         node_health=health,
+        restart=RestartPolicy(
+            backoff_initial_s=args.engine_restart_backoff,
+            backoff_max_s=args.engine_restart_backoff_max,
+            max_failures=args.engine_max_failures,
+            failure_window_s=args.engine_failure_window,
+        ),
         fault_step_delay=delays,
         synthetic_tokens_per_second=args.synthetic_tokens_per_second,
         synthetic_ttft_s=ttft_ms / 1000.0 if ttft_ms is not None else None,
@@ -185,6 +215,7 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
 
     from drivers.registry import create_driver
     from gateway.app import create_app
+    from gateway.drain import Drain, DrainingServer
     from gateway.logs import configure_logging
 
     settings = replace(
@@ -196,6 +227,7 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
         load_shedding=args.load_shedding,
         max_body_bytes=args.max_body_bytes,
         stream_timeout_s=args.stream_timeout,
+        drain_timeout_s=args.drain_timeout,
         log_level=args.log_level.upper(),
         auth=args.auth,
     )
@@ -217,16 +249,18 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
             "  POST /admin/tenants/<id>/keys, with the admin key; see README 'Tenants'). --no-auth turns auth off.",
             flush=True,
         )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_config=None,
         log_level=settings.log_level.lower(),
         access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5,  # after the drain (gateway/drain.py): only idle connections are left
     )
-    return 0
+    drain: Drain = app.state["drain"]
+    DrainingServer(config, drain).run()
+    return drain.exit_code
 
 
 def build_parser(env: Settings) -> argparse.ArgumentParser:

@@ -9,7 +9,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from drivers.options import EngineOptions
+from drivers.options import EngineOptions, overrides
+from drivers.supervisor import RestartPolicy
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class Settings:
     """Root log level (SLUICE_LOG_LEVEL)."""
     max_default_tokens: int = 4096
     """Cap on max_tokens when a request omits it (remaining context otherwise) (SLUICE_MAX_DEFAULT_TOKENS)."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long requests in flight may run on before they are ended (503 / an SSE error
+    event) and the server exits; new requests are refused meanwhile (SLUICE_DRAIN_TIMEOUT_S). See
+    gateway/drain.py."""
     stream_timeout_s: float = 600.0
     """Lifetime cap of one generation, streamed or not; longer ones are aborted (SLUICE_STREAM_TIMEOUT_S)."""
     auth: bool = True
@@ -91,6 +96,7 @@ class Settings:
                 model=e.get("SLUICE_MODEL") or None,
                 max_waiting=_int(e.get("SLUICE_MAX_WAITING")),
                 max_waiting_tokens=_int(e.get("SLUICE_MAX_WAITING_TOKENS")),
+                restart=_restart_policy(e),
             ),
             max_body_bytes=int(e.get("SLUICE_MAX_BODY_BYTES", d.max_body_bytes)),
             load_shedding=e.get("SLUICE_LOAD_SHEDDING", "1").lower() not in ("0", "false", "off", "no"),
@@ -99,6 +105,7 @@ class Settings:
             log_level=e.get("SLUICE_LOG_LEVEL", d.log_level).upper(),
             max_default_tokens=int(e.get("SLUICE_MAX_DEFAULT_TOKENS", d.max_default_tokens)),
             stream_timeout_s=float(e.get("SLUICE_STREAM_TIMEOUT_S", d.stream_timeout_s)),
+            drain_timeout_s=float(e.get("SLUICE_DRAIN_TIMEOUT_S", d.drain_timeout_s)),
             auth=e.get("SLUICE_AUTH", "1").lower() not in ("0", "false", "off", "no"),
             data_dir=e.get("SLUICE_DATA_DIR", d.data_dir),
             database_url=e.get("DATABASE_URL") or d.database_url,
@@ -129,6 +136,20 @@ class Settings:
         return (
             f"Settings(host={self.host!r}, port={self.port}, driver={self.driver!r}, model={self.engine.model!r})"
         )
+
+
+def _restart_policy(env: Mapping[str, str]) -> RestartPolicy | None:
+    """The engine restart policy's fields set in the environment; None when none is."""
+    fields = overrides(
+        backoff_initial_s=_float(env.get("SLUICE_ENGINE_RESTART_BACKOFF_S")),
+        max_failures=_int(env.get("SLUICE_ENGINE_MAX_FAILURES")),
+        failure_window_s=_float(env.get("SLUICE_ENGINE_FAILURE_WINDOW_S")),
+    )
+    return RestartPolicy(**fields) if fields else None
+
+
+def _float(text: str | None) -> float | None:
+    return float(text) if text and text.strip() else None
 
 
 def _int(text: str | None) -> int | None:
