@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from drivers import retry_after
 from drivers.base import (
     Driver,
     DriverError,
@@ -236,7 +237,7 @@ class NativeDriver(Driver):
         capacity = engine.config.scheduler.max_num_seqs + engine.config.scheduler.max_waiting
         if engine.num_in_flight >= capacity:
             raise OverloadedError(f"{engine.num_in_flight} requests in flight on {engine.config.node_id}",
-                                  retry_after=self._retry_after(engine))
+                                  retry_after=self._retry_after(engine, request.priority))
         arrival = time.time()
         try:
             stream = engine.add(AddRequest(
@@ -248,7 +249,7 @@ class NativeDriver(Driver):
                 tenant_id=request.tenant_id,
             ))
         except engine_errors.EngineError as exc:
-            raise self._driver_error(exc, engine) from exc
+            raise self._driver_error(exc, engine, request.priority) from exc
         timer = self.router.timer(engine, arrival, len(prompt_ids)) if self.router else None
         finished = False
         try:
@@ -256,7 +257,7 @@ class NativeDriver(Driver):
                 item = await stream.get()
                 if isinstance(item, engine_errors.EngineError):
                     finished = True
-                    raise self._driver_error(item, engine)
+                    raise self._driver_error(item, engine, request.priority)
                 finished = item.finish_reason is not None
                 if timer is not None:
                     timer.on_output(item)
@@ -267,23 +268,27 @@ class NativeDriver(Driver):
             if not finished:
                 engine.abort([request.request_id])
 
-    def _driver_error(self, exc: engine_errors.EngineError, engine: AsyncEngineClient) -> DriverError:
+    def _driver_error(
+        self, exc: engine_errors.EngineError, engine: AsyncEngineClient, priority: int
+    ) -> DriverError:
         """The one mapping of the engine's errors to the driver seam's."""
         if isinstance(exc, engine_errors.QueueFullError):
-            return OverloadedError(str(exc), retry_after=self._retry_after(engine))
+            return OverloadedError(str(exc), retry_after=self._retry_after(engine, priority))
         if isinstance(exc, engine_errors.InvalidRequestError):
             return InvalidRequestError(str(exc))
         if isinstance(exc, engine_errors.EngineShutDownError):
             return ShuttingDownError("The server is shutting down; retry the request", retry_after=1.0)
         return EngineDeadError(str(exc))
 
-    def _retry_after(self, engine: AsyncEngineClient) -> float:
-        """Seconds until the queue ahead has likely drained, from the engine's recent throughput."""
+    @staticmethod
+    def _retry_after(engine: AsyncEngineClient, priority: int) -> float:
+        """Seconds until the queue ahead of `priority` has been served, at the engine's measured pace
+        (drivers/retry_after.py has the formula)."""
         stats = engine.stats
-        if stats is None or stats.generation_tokens_per_s <= 0:
-            return 1.0
-        backlog_tokens = (stats.waiting + stats.running) * 64
-        return max(1.0, min(60.0, backlog_tokens / stats.generation_tokens_per_s))
+        if stats is None:
+            return retry_after.UNMEASURED_S
+        ahead = retry_after.work_ahead(stats.waiting_work_by_priority, priority)
+        return retry_after.retry_after_s(ahead, stats.prompt_tokens_per_s + stats.generation_tokens_per_s)
 
     def _chunk(self, out: RequestOutput, node_id: str) -> GenerationChunk:
         return GenerationChunk(
