@@ -53,6 +53,9 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None  # None: none; N: sampled token's logprob plus top N alternatives
     priority: int = 0  # lower value = more important (tier 0 is the highest)
     tenant_id: str | None = None
+    # The tenant's fair-share weight within its tier (TenantContext.weight): weight 2 gets twice the
+    # tokens of weight 1 when both have work waiting. Must be > 0.
+    tenant_weight: float = 1.0
 
 
 class TopLogprob(msgspec.Struct, frozen=True):

@@ -247,6 +247,7 @@ class NativeDriver(Driver):
                 priority=request.priority,
                 arrival_time=arrival,
                 tenant_id=request.tenant_id,
+                tenant_weight=request.tenant_weight,
             ))
         except engine_errors.EngineError as exc:
             raise self._driver_error(exc, engine, request.priority) from exc

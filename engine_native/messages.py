@@ -41,6 +41,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     priority: int = 0
     arrival_time: float
     tenant_id: str | None = None
+    tenant_weight: float = 1.0  # fair-share weight of the tenant within its priority (fair_queue.py)
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):

@@ -121,6 +121,7 @@ def _add(engine: LLMEngine, msg: AddRequest, send: Callable[[EngineMessage], Non
             priority=msg.priority,
             arrival_time=msg.arrival_time,
             tenant_id=msg.tenant_id,
+            tenant_weight=msg.tenant_weight,
         )
     except QueueFullError as exc:
         send(AddRejected(request_id=msg.request_id, reason=RejectReason.QUEUE_FULL, message=str(exc)))

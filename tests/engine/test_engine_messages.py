@@ -42,3 +42,13 @@ def test_the_error_hierarchy() -> None:
     assert issubclass(errors.RequestRejectedError, errors.EngineError)
     assert issubclass(errors.EngineDeadError, errors.EngineError)
     assert not issubclass(errors.EngineDeadError, errors.RequestRejectedError)
+
+
+def test_the_tenant_weight_crosses_the_pipe() -> None:
+    from engine_native.messages import AddRequest, ClientMessage
+    from engine_native.sampling_params import SamplingParams
+
+    msg = AddRequest(request_id="r", prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=2),
+                     arrival_time=0.0, tenant_id="t", tenant_weight=2.5)
+    decoded = msgspec.msgpack.Decoder(ClientMessage).decode(msgspec.msgpack.encode(msg))
+    assert isinstance(decoded, AddRequest) and (decoded.tenant_id, decoded.tenant_weight) == ("t", 2.5)
