@@ -123,7 +123,7 @@ class NativeDriver(Driver):
         self.supervisor: EngineSupervisor | None = None
         self.engines: list[AsyncEngineClient] = []
         self.tokenizer: Tokenizer | None = None
-        self.ready = False  # True once every engine has loaded its model
+        self.ready = False  # True once every engine has loaded its model, until stop()
         self.max_model_len = 0
 
     @classmethod

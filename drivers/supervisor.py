@@ -26,7 +26,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 log = logging.getLogger("sluice.supervisor")
@@ -111,13 +111,13 @@ class SupervisorListener(Protocol):
 class EngineRecord:
     """What the supervisor knows of one engine."""
 
+    budget: RestartBudget
     state: EngineState = EngineState.RUNNING
     up_since: float | None = None
     restarts: int = 0  # successful restarts
     failures: int = 0  # deaths, failed starts included
     last_failure: str | None = None
     restart_at: float | None = None  # clock reading of the next attempt while restarting
-    budget: RestartBudget | None = field(default=None, repr=False)
 
     def describe(self, now: float) -> str:
         if self.state is EngineState.RUNNING:
@@ -142,7 +142,7 @@ class EngineSupervisor:
         self.clock = clock
         now = clock()
         self.records = {
-            e.node_id: EngineRecord(up_since=now, budget=RestartBudget(self.policy)) for e in self.engines
+            e.node_id: EngineRecord(RestartBudget(self.policy), up_since=now) for e in self.engines
         }
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -170,7 +170,6 @@ class EngineSupervisor:
     async def _watch(self, engine: SupervisedEngine) -> None:
         node = engine.node_id
         record = self.records[node]
-        assert record.budget is not None
         while True:
             reason = await engine.wait_dead()
             now = self.clock()

@@ -241,7 +241,9 @@ class AsyncEngineClient:
             return
         if self.dead_reason is None:
             self.dead_reason = reason
-            log.error("engine %s died: %s", self.config.node_id, reason)
+            level = logging.INFO if error is EngineShutDownError else logging.ERROR
+            log.log(level, "engine %s %s: %s", self.config.node_id,
+                    "stopped" if error is EngineShutDownError else "died", reason)
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(reason))
         self._dead.set()

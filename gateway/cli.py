@@ -135,7 +135,7 @@ def _add_node_arguments(p: argparse.ArgumentParser) -> None:
 
     d = NodeHealthConfig()
     g = p.add_argument_group("engine nodes (native driver; see docs/observability.md)")
-    g.add_argument("--engines", type=int, default=None, help="engine processes (nodes node-0..N-1); default: 1")
+    g.add_argument("--engines", type=int, default=None, help="engine processes (nodes node-0..N-1); default: one")
     g.add_argument(
         "--fault-step-delay", action="append", default=[], metavar="NODE=SECONDS",
         help="chaos testing: extra sleep after every engine step of NODE (repeatable)",
@@ -155,7 +155,7 @@ def _add_restart_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
     from drivers.supervisor import RestartPolicy
 
     d = env.engine.restart or RestartPolicy()
-    g = p.add_argument_group("engine supervision (native driver; see docs/engine.md)")
+    g = p.add_argument_group("engine supervision (native driver; see docs/observability.md)")
     g.add_argument("--engine-restart-backoff", type=float, default=d.backoff_initial_s,
                    help="seconds before restarting a dead engine, doubling per death (SLUICE_ENGINE_RESTART_BACKOFF_S)")
     g.add_argument("--engine-restart-backoff-max", type=float, default=d.backoff_max_s,
