@@ -57,6 +57,9 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     # `Driver.tokenize`. The gateway sets it so that `generate()` never tokenizes again (the choices
     # of one prompt share it); None: `generate()` tokenizes the prompt itself.
     tokenized_prompt: list[int] | None = None
+    # The tenant's fair-share weight within its tier (TenantContext.weight): weight 2 gets twice the
+    # tokens of weight 1 when both have work waiting. Must be > 0.
+    tenant_weight: float = 1.0
 
 
 class TopLogprob(msgspec.Struct, frozen=True):
@@ -106,8 +109,12 @@ class ModelCard(msgspec.Struct, frozen=True):
 
 
 class DriverHealth(msgspec.Struct, frozen=True):
-    ready: bool
+    ready: bool  # can serve a request now (/readyz): some engine is up
     detail: str = ""
+    # False once the driver gave up (an engine in a crash loop): only a restart of the process helps,
+    # so /healthz fails and an orchestrator restarts it.
+    live: bool = True
+    degraded: bool = False  # ready, but some engines are down (restarting) or given up on
     running: int = 0
     waiting: int = 0
     kv_blocks_used: int = 0
@@ -153,12 +160,13 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     score: float | None = None  # latency / peers' at comparable load; None: not enough samples
     step_delay_s: float = 0.0  # injected fault, if any
     stalled_by_fault: bool = False
+    restarts: int = 0  # times its engine was restarted after dying
 
 
 class NodeEvent(msgspec.Struct, frozen=True):
     time: float
     node: str
-    kind: str  # "flagged" | "unflagged" | "stalled" | "recovered"
+    kind: str  # "flagged" | "unflagged" | "stalled" | "recovered" | "restarted"
     reason: str
 
 
@@ -193,6 +201,11 @@ class OverloadedError(DriverError):
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class ShuttingDownError(OverloadedError):
+    """The server is draining or stopping: the request was not taken, or was ended before it finished
+    (503 + Retry-After: another replica, or this one once restarted, can serve it)."""
 
 
 class EngineDeadError(DriverError):

@@ -3,7 +3,9 @@
 Prompts are tokenized in the gateway process (so lengths can be checked and
 charged before dispatch); the engine process detokenizes and applies stop
 strings. Requests go to the healthy engine node with the fewest requests in flight
-(`native_nodes.NodeSupervisor` judges health and carries fault injection).
+(`native_nodes.NodeRouter` judges health and carries fault injection). An engine
+process that dies is restarted by `supervisor.EngineSupervisor`; meanwhile the
+others serve (ready, degraded), and the driver is not live once it gave up on one.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
+from drivers import retry_after
 from drivers.base import (
     Driver,
+    DriverError,
     DriverHealth,
     EngineDeadError,
     FinishReason,
@@ -25,17 +30,21 @@ from drivers.base import (
     ModelNotFoundError,
     NodesReport,
     OverloadedError,
+    ShuttingDownError,
     TokenLogprob,
     TopLogprob,
 )
-from drivers.native_nodes import NodeSupervisor
-from engine_native.client import AsyncEngineClient, EngineRequestError
+from drivers.native_nodes import NodeRouter
+from drivers.options import EngineOptions, overrides
+from drivers.supervisor import EngineSupervisor, RestartPolicy
+from engine_native import errors as engine_errors
+from engine_native.client import AsyncEngineClient
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_native.messages import AddRequest, LogprobEntry, RequestOutput
+from engine_native.messages import FinishReason as EngineFinishReason
 from engine_native.model.base import Tokenizer
 from engine_native.model.bundled import bundled_model_path
 from engine_native.model.loader import load_tokenizer
-from engine_native.request import FinishReason as EngineFinishReason
 from engine_native.sampling_params import SamplingParams
 from observability.node_health import NodeHealthConfig
 
@@ -50,78 +59,105 @@ _FINISH = {
 }
 
 
+DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"  # the bundled model's id
+
+
+@dataclass(frozen=True)
+class NativeDriverConfig:
+    """The native driver: its engines (one config, copied per node) and how it watches them."""
+
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(
+        model_path=bundled_model_path(), served_model_name=DEFAULT_SERVED_MODEL_NAME
+    ))
+    """Every engine's config; `node_id` is set per engine (node-0..N-1)."""
+    num_engines: int = 1
+    node_health: NodeHealthConfig = field(default_factory=NodeHealthConfig)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    """How dead engines are restarted, and when to give up (drivers/supervisor.py)."""
+    fault_step_delay: Mapping[str, float] = field(default_factory=dict)
+    """Chaos testing: extra sleep after every engine step, by node id, from the start."""
+    progress: bool = True
+    """Show a progress bar while a model loads."""
+
+    @property
+    def served_model_name(self) -> str:
+        return self.engine.served_model_name or DEFAULT_SERVED_MODEL_NAME
+
+    def engine_config(self, index: int) -> EngineConfig:
+        return replace(self.engine, node_id=f"node-{index}")
+
+    @classmethod
+    def from_options(cls, options: EngineOptions) -> NativeDriverConfig:
+        """Options left unset keep the defaults of `engine_native.config` and of this class."""
+        o = options
+        scheduler = replace(SchedulerConfig(), **overrides(
+            max_num_seqs=o.max_num_seqs,
+            max_num_batched_tokens=o.max_num_batched_tokens,
+            long_prefill_token_threshold=o.long_prefill_token_threshold,
+            max_waiting=o.max_waiting,
+        ))
+        if o.max_waiting_tokens is not None:  # 0: no token bound
+            scheduler = replace(scheduler, max_waiting_tokens=o.max_waiting_tokens or None)
+        cache = replace(CacheConfig(), **overrides(
+            memory_bytes=o.kv_cache_memory_bytes, enable_prefix_caching=o.enable_prefix_caching
+        ))
+        engine = EngineConfig(
+            model_path=o.model or bundled_model_path(),
+            served_model_name=o.served_model_name or DEFAULT_SERVED_MODEL_NAME,
+            cache=cache,
+            scheduler=scheduler,
+            **overrides(dtype=o.dtype, num_threads=o.num_threads, max_model_len=o.max_model_len),
+        )
+        return cls(
+            engine=engine,
+            fault_step_delay=dict(o.fault_step_delay),
+            **overrides(num_engines=o.num_engines, node_health=o.node_health, restart=o.restart),
+        )
+
+
 class NativeDriver(Driver):
-    def __init__(
-        self,
-        model_path: str | None = None,
-        dtype: str = "auto",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        kv_cache_memory_bytes: int | None = None,
-        served_model_name: str | None = None,
-        num_threads: int | None = None,
-        max_waiting: int = 1024,
-        num_engines: int = 1,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        long_prefill_token_threshold: int = 256,
-        max_model_len: int | None = None,
-        progress: bool = True,
-        node_health: NodeHealthConfig | None = None,
-        fault_step_delay: dict[str, float] | None = None,
-        enable_prefix_caching: bool = True,
-        max_waiting_tokens: int | None = 1 << 18,
-    ) -> None:
-        self.model_path = model_path or bundled_model_path()
-        self.served_model_name = served_model_name or "smollm2-135m-instruct"
-        self.max_waiting = max_waiting
-        self._configs = [
-            EngineConfig(
-                model_path=self.model_path,
-                dtype=dtype,
-                num_threads=num_threads,
-                max_model_len=max_model_len,
-                served_model_name=self.served_model_name,
-                node_id=f"node-{i}",
-                cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                                  memory_bytes=kv_cache_memory_bytes,
-                                  enable_prefix_caching=enable_prefix_caching),
-                scheduler=SchedulerConfig(
-                    max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens,
-                    long_prefill_token_threshold=long_prefill_token_threshold,
-                    max_waiting=max_waiting,
-                    max_waiting_tokens=max_waiting_tokens,
-                ),
-            )
-            for i in range(num_engines)
-        ]
-        self._progress = progress
-        self._node_health = node_health
-        self._fault_step_delay = fault_step_delay or {}
-        self.supervisor: NodeSupervisor | None = None
+    def __init__(self, config: NativeDriverConfig | None = None) -> None:
+        self.config = config or NativeDriverConfig()
+        self.served_model_name = self.config.served_model_name
+        self.router: NodeRouter | None = None
+        self.supervisor: EngineSupervisor | None = None
         self.engines: list[AsyncEngineClient] = []
         self.tokenizer: Tokenizer | None = None
-        self.ready = False  # True once every engine has loaded its model
+        self.ready = False  # True once every engine has loaded its model, until stop()
         self.max_model_len = 0
+
+    @classmethod
+    def from_options(cls, options: EngineOptions) -> NativeDriver:
+        return cls(NativeDriverConfig.from_options(options))
 
     # ----- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
-        self.engines = [AsyncEngineClient(c, progress=self._progress) for c in self._configs]
+        config = self.config
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, config.engine.model_path)
+        self.engines = [
+            AsyncEngineClient(config.engine_config(i), progress=config.progress) for i in range(config.num_engines)
+        ]
         infos = await asyncio.gather(*(e.start() for e in self.engines))
         self.max_model_len = min(i.max_model_len for i in infos)
-        self.supervisor = NodeSupervisor(self.engines, self._node_health, self._fault_step_delay)
+        self.router = NodeRouter(self.engines, config.node_health, config.fault_step_delay)
+        await self.router.start()
+        self.supervisor = EngineSupervisor(self.engines, config.restart, listener=self.router)
         await self.supervisor.start()
         self.ready = True
         log.info("native driver ready: model=%s nodes=%d max_model_len=%d",
                  self.served_model_name, len(self.engines), self.max_model_len)
 
     async def stop(self) -> None:
+        """Stop supervising (nothing is restarted any more), then shut the engines down: requests on
+        them end with an error. Idempotent."""
+        self.ready = False
         if self.supervisor is not None:
             await self.supervisor.stop()
-        await asyncio.gather(*(e.shutdown() for e in self.engines), return_exceptions=True)
+        if self.router is not None:
+            await self.router.stop()
+        engines, self.engines = self.engines, []
+        await asyncio.gather(*(e.shutdown() for e in engines), return_exceptions=True)
 
     # ----- the seam --------------------------------------------------------------------
 
@@ -179,11 +215,13 @@ class NativeDriver(Driver):
     def _pick_engine(self) -> AsyncEngineClient:
         alive = [e for e in self.engines if e.alive]
         if not alive:
-            reasons = "; ".join(f"{e.config.node_id}: {e.dead_reason}" for e in self.engines)
-            raise EngineDeadError(f"no engine is running ({reasons})")
-        if self.supervisor is None:
+            if self.supervisor is None:
+                raise EngineDeadError("no engine is running")
+            states = "; ".join(f"{e.config.node_id}: {self.supervisor.describe(e.config.node_id)}" for e in self.engines)
+            raise EngineDeadError(f"no engine is running ({states})")
+        if self.router is None:
             return min(alive, key=lambda e: e.num_in_flight)
-        return self.supervisor.pick(alive)
+        return self.router.pick(alive)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         prompt_ids = request.tokenized_prompt
@@ -193,10 +231,10 @@ class NativeDriver(Driver):
             self._check_model(request)
         params = self._sampling_params(request, len(prompt_ids))
         engine = self._pick_engine()
-        capacity = engine.config.scheduler.max_num_seqs + self.max_waiting
+        capacity = engine.config.scheduler.max_num_seqs + engine.config.scheduler.max_waiting
         if engine.num_in_flight >= capacity:
             raise OverloadedError(f"{engine.num_in_flight} requests in flight on {engine.config.node_id}",
-                                  retry_after=self._retry_after(engine))
+                                  retry_after=self._retry_after(engine, request.priority))
         arrival = time.time()
         try:
             stream = engine.add(AddRequest(
@@ -206,21 +244,18 @@ class NativeDriver(Driver):
                 priority=request.priority,
                 arrival_time=arrival,
                 tenant_id=request.tenant_id,
+                tenant_weight=request.tenant_weight,
             ))
-        except EngineRequestError as exc:
-            raise EngineDeadError(str(exc)) from exc
-        timer = self.supervisor.timer(engine, arrival, len(prompt_ids)) if self.supervisor else None
+        except engine_errors.EngineError as exc:
+            raise self._driver_error(exc, engine, request.priority) from exc
+        timer = self.router.timer(engine, arrival, len(prompt_ids)) if self.router else None
         finished = False
         try:
             while True:
                 item = await stream.get()
-                if isinstance(item, EngineRequestError):
+                if isinstance(item, engine_errors.EngineError):
                     finished = True
-                    if item.engine_dead:
-                        raise EngineDeadError(str(item))
-                    if item.queue_full:
-                        raise OverloadedError(str(item), retry_after=self._retry_after(engine))
-                    raise InvalidRequestError(str(item))
+                    raise self._driver_error(item, engine, request.priority)
                 finished = item.finish_reason is not None
                 if timer is not None:
                     timer.on_output(item)
@@ -231,13 +266,27 @@ class NativeDriver(Driver):
             if not finished:
                 engine.abort([request.request_id])
 
-    def _retry_after(self, engine: AsyncEngineClient) -> float:
-        """Seconds until the queue ahead has likely drained, from the engine's recent throughput."""
+    def _driver_error(
+        self, exc: engine_errors.EngineError, engine: AsyncEngineClient, priority: int
+    ) -> DriverError:
+        """The one mapping of the engine's errors to the driver seam's."""
+        if isinstance(exc, engine_errors.QueueFullError):
+            return OverloadedError(str(exc), retry_after=self._retry_after(engine, priority))
+        if isinstance(exc, engine_errors.InvalidRequestError):
+            return InvalidRequestError(str(exc))
+        if isinstance(exc, engine_errors.EngineShutDownError):
+            return ShuttingDownError("The server is shutting down; retry the request", retry_after=1.0)
+        return EngineDeadError(str(exc))
+
+    @staticmethod
+    def _retry_after(engine: AsyncEngineClient, priority: int) -> float:
+        """Seconds until the queue ahead of `priority` has been served, at the engine's measured pace
+        (drivers/retry_after.py has the formula)."""
         stats = engine.stats
-        if stats is None or stats.generation_tokens_per_s <= 0:
-            return 1.0
-        backlog_tokens = (stats.waiting + stats.running) * 64
-        return max(1.0, min(60.0, backlog_tokens / stats.generation_tokens_per_s))
+        if stats is None:
+            return retry_after.UNMEASURED_S
+        ahead = retry_after.work_ahead(stats.waiting_work_by_priority, priority)
+        return retry_after.retry_after_s(ahead, stats.prompt_tokens_per_s + stats.generation_tokens_per_s)
 
     def _chunk(self, out: RequestOutput, node_id: str) -> GenerationChunk:
         return GenerationChunk(
@@ -246,7 +295,7 @@ class NativeDriver(Driver):
             token_ids=out.new_token_ids,
             prompt_tokens=out.num_prompt_tokens,
             completion_tokens=out.num_output_tokens,
-            finish_reason=_FINISH[EngineFinishReason(out.finish_reason)] if out.finish_reason is not None else None,
+            finish_reason=_FINISH[out.finish_reason] if out.finish_reason is not None else None,
             logprobs=[_logprob(e) for e in out.logprobs] if out.logprobs is not None else None,
             arrival_time=out.arrival_time,
             first_scheduled_time=out.first_scheduled_time,
@@ -258,28 +307,32 @@ class NativeDriver(Driver):
         )
 
     def nodes(self) -> NodesReport:
-        return self.supervisor.report() if self.supervisor is not None else NodesReport([], [])
+        return self.router.report() if self.router is not None else NodesReport([], [])
 
     async def set_fault(self, node_id: str, step_delay_s: float, stall: bool) -> None:
-        if self.supervisor is None:
+        if self.router is None:
             raise InvalidRequestError("the driver is not started")
-        await self.supervisor.set_fault(node_id, step_delay_s, stall)
+        await self.router.set_fault(node_id, step_delay_s, stall)
 
     async def abort(self, request_id: str) -> None:
         for engine in self.engines:
             engine.abort([request_id])
 
     async def health(self) -> DriverHealth:
+        """Ready while any engine runs; degraded while some do not; not live once the supervisor gave up."""
         alive = [e for e in self.engines if e.alive]
         stats = [e.stats for e in alive if e.stats is not None]
-        if not self.ready:
+        if self.supervisor is None:
             return DriverHealth(ready=False, detail="the model is loading")
-        detail = "" if len(alive) == len(self.engines) else "; ".join(
-            f"{e.config.node_id}: {e.dead_reason}" for e in self.engines if not e.alive
-        )
+        if not self.ready:
+            return DriverHealth(ready=False, detail="the driver is stopped")
+        down = [e for e in self.engines if not e.alive]
+        detail = "; ".join(f"{e.config.node_id}: {self.supervisor.describe(e.config.node_id)}" for e in down)
         return DriverHealth(
-            ready=len(alive) == len(self.engines),
-            detail=detail,
+            ready=bool(alive),
+            detail=f"degraded: {len(alive)} of {len(self.engines)} engines up; {detail}" if down else "",
+            live=not self.supervisor.gave_up,
+            degraded=bool(down),
             running=sum(s.running for s in stats),
             waiting=sum(s.waiting for s in stats),
             kv_blocks_used=sum(s.kv_blocks_used for s in stats),

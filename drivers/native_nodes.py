@@ -1,9 +1,11 @@
 """The native driver's engine nodes: which one gets a request, how each is doing, fault injection.
 
-`NodeSupervisor` feeds every token's timing into an `observability.node_health.NodeHealthMonitor`,
+`NodeRouter` feeds every token's timing into an `observability.node_health.NodeHealthMonitor`,
 evaluates it once per interval (logging each transition as a structured line), routes new
 requests to healthy nodes first, and reports nodes for `GET /admin/nodes`. A flagged node still
 gets an occasional probe request when it is idle, or it could never show that it recovered.
+It listens to the `drivers.supervisor.EngineSupervisor`: a dead node is marked at once with its
+restart plan, a restarted one starts over as healthy with an empty window.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from drivers.base import InvalidRequestError, NodeEvent, NodeInfo, NodesReport
 from engine_native.client import AsyncEngineClient
@@ -28,19 +30,19 @@ _RANK = {NodeStatus.HEALTHY: 0, NodeStatus.SLUGGISH: 1, NodeStatus.STALLED: 2, N
 class RequestTimer:
     """Turns one request's outputs into TTFT / ITL samples of its node."""
 
-    __slots__ = ("_arrival", "_engine", "_last", "_prompt_tokens", "_supervisor")
+    __slots__ = ("_arrival", "_engine", "_last", "_prompt_tokens", "_router")
 
     def __init__(
-        self, supervisor: NodeSupervisor, engine: AsyncEngineClient, arrival: float, prompt_tokens: int
+        self, router: NodeRouter, engine: AsyncEngineClient, arrival: float, prompt_tokens: int
     ) -> None:
-        self._supervisor, self._engine = supervisor, engine
+        self._router, self._engine = router, engine
         self._arrival, self._prompt_tokens = arrival, prompt_tokens
         self._last: float | None = None
 
     def on_output(self, out: RequestOutput) -> None:
         if not out.new_token_ids:
             return
-        monitor, node = self._supervisor.monitor, self._engine.config.node_id
+        monitor, node = self._router.monitor, self._engine.config.node_id
         if self._last is None:
             monitor.record_ttft(node, out.token_time, out.token_time - self._arrival, self._prompt_tokens)
         else:
@@ -50,15 +52,18 @@ class RequestTimer:
         self._last = out.token_time
 
 
-class NodeSupervisor:
+class NodeRouter:
     def __init__(
         self,
         engines: Sequence[AsyncEngineClient],
         config: NodeHealthConfig | None = None,
-        fault_step_delay: dict[str, float] | None = None,
+        fault_step_delay: Mapping[str, float] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.engines = list(engines)
         self.monitor = NodeHealthMonitor([e.config.node_id for e in self.engines], config)
+        self.clock = clock  # time.time(): token timestamps from the engine are wall-clock readings
+        self.restarts = {e.config.node_id: 0 for e in self.engines}
         self._initial_faults = dict(fault_step_delay or {})
         self._picks = 0
         self._task: asyncio.Task[None] | None = None
@@ -91,6 +96,16 @@ class NodeSupervisor:
     def timer(self, engine: AsyncEngineClient, arrival: float, prompt_tokens: int) -> RequestTimer:
         return RequestTimer(self, engine, arrival, prompt_tokens)
 
+    # ----- the supervisor's transitions (drivers.supervisor.SupervisorListener) ---------
+
+    def engine_died(self, node: str, reason: str, restart_in_s: float | None) -> None:
+        plan = f"restarting in {restart_in_s:.1f} s" if restart_in_s is not None else "crash loop: given up"
+        self.monitor.mark_dead(node, f"engine dead: {reason}; {plan}", self.clock())
+
+    def engine_restarted(self, node: str) -> None:
+        self.restarts[node] += 1
+        self.monitor.mark_restarted(node, self.clock())
+
     async def set_fault(self, node_id: str, step_delay_s: float, stall: bool) -> None:
         engine = self._engine(node_id)
         if step_delay_s < 0:
@@ -121,6 +136,7 @@ class NodeSupervisor:
                 score=round(a.score, 3) if a.score is not None else None,
                 step_delay_s=e.fault[0],
                 stalled_by_fault=e.fault[1],
+                restarts=self.restarts[e.config.node_id],
             ))
         events = [NodeEvent(ev.time, ev.node, str(ev.kind), ev.reason) for ev in self.monitor.events]
         return NodesReport(nodes, events)
@@ -134,13 +150,14 @@ class NodeSupervisor:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.monitor.config.eval_interval_s)
-            self.evaluate(time.time())
+            self.evaluate(self.clock())
 
     def evaluate(self, now: float) -> None:
         for e in self.engines:
             node = e.config.node_id
             if not e.alive:
-                self.monitor.mark_dead(node, e.dead_reason or "exited", now)
+                if self.monitor.status(node) is not NodeStatus.DEAD:  # the supervisor's word is richer
+                    self.monitor.mark_dead(node, f"engine dead: {e.dead_reason or 'exited'}", now)
                 continue
             if e.last_output_at:
                 self.monitor.record_progress(node, e.last_output_at)

@@ -1,23 +1,26 @@
 """Driver registry: names to factories, so the CLI and config pick an engine by name.
 
-Heavy drivers are registered as "module:attribute" strings and imported only
-when created, so `import drivers.registry` never pulls torch in.
+A factory takes the service's `EngineOptions` and builds the driver from them. Heavy drivers are
+registered as "module:attribute" strings (the attribute may be dotted: "Class.from_options") and
+imported only when created, so `import drivers.registry` never pulls torch in.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from functools import reduce
 from typing import Any
 
 from drivers.base import Driver
+from drivers.options import EngineOptions
 
-DriverFactory = Callable[..., Driver]
+DriverFactory = Callable[[EngineOptions], Driver]
 
 # name -> factory, or "package.module:Attribute" resolved lazily on first use.
 _REGISTRY: dict[str, DriverFactory | str] = {
-    "synthetic": "drivers.synthetic:SyntheticDriver",
-    "native": "drivers.native:NativeDriver",
+    "synthetic": "drivers.synthetic:SyntheticDriver.from_options",
+    "native": "drivers.native:NativeDriver.from_options",
 }
 
 
@@ -37,12 +40,13 @@ def _resolve(name: str) -> DriverFactory:
         raise ValueError(f"unknown driver {name!r}; available: {', '.join(available_drivers())}") from None
     if isinstance(entry, str):
         module_name, _, attr = entry.partition(":")
-        factory: DriverFactory = getattr(importlib.import_module(module_name), attr)
+        target: Any = importlib.import_module(module_name)
+        factory: DriverFactory = reduce(getattr, attr.split("."), target)
         _REGISTRY[name] = factory
         return factory
     return entry
 
 
-def create_driver(name: str, **options: Any) -> Driver:
-    """Build the driver registered as `name` with its constructor options."""
-    return _resolve(name)(**options)
+def create_driver(name: str, options: EngineOptions | None = None) -> Driver:
+    """Build the driver registered as `name` from the service's engine options (None: all defaults)."""
+    return _resolve(name)(options or EngineOptions())

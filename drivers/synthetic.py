@@ -35,9 +35,11 @@ from drivers.base import (
     NodeInfo,
     NodesReport,
     OverloadedError,
+    ShuttingDownError,
     TokenLogprob,
     TopLogprob,
 )
+from drivers.options import EngineOptions, overrides
 
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 # Ids 0..3 are specials; words follow. Two-syllable words give a 4,900-word vocabulary.
@@ -68,10 +70,9 @@ class SyntheticDriver(Driver):
         tokens_per_second: float = 50.0,
         ttft_s: float = 0.05,
         max_model_len: int = 4096,
-        max_num_seqs: int = 256,
-        max_waiting: int = 1024,
-        tokenize_s: float = 0.0,
-        **_ignored: object,  # engine options the CLI passes to every driver (dtype, ...)
+        max_num_seqs: int = 64,  # the native engine's bounds, so both drivers serve alike by default
+        max_waiting: int = 256,
+        tokenize_s: float = 0.0,  # how long tokenizing a prompt takes (a worker thread sleeps it)
     ) -> None:
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
@@ -98,12 +99,26 @@ class SyntheticDriver(Driver):
         self._waiting_tokens = 0
         self._waiting_work: dict[int, int] = {}  # priority -> prompt + budget of the waiting requests
 
+    @classmethod
+    def from_options(cls, options: EngineOptions) -> SyntheticDriver:
+        """The options that mean something to a model-free engine; unset ones keep the defaults above."""
+        o = options
+        return cls(**overrides(
+            model_name=o.served_model_name,
+            tokens_per_second=o.synthetic_tokens_per_second,
+            ttft_s=o.synthetic_ttft_s,
+            max_model_len=o.max_model_len,
+            max_num_seqs=o.max_num_seqs,
+            max_waiting=o.max_waiting,
+        ))
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._started = True
 
     async def stop(self) -> None:
+        """Requests still running end with ShuttingDownError."""
         self._started = False
         for live in self._live.values():
             live.aborted.set()
@@ -259,6 +274,8 @@ class SyntheticDriver(Driver):
         for i in range(budget):
             due = start + self.ttft_s + i * self.token_interval_s
             if await self._sleep_until(due, live):
+                if not self._started:  # stopped under it: the server is shutting down, not the client gone
+                    raise ShuttingDownError("The server is shutting down; retry the request", retry_after=1.0)
                 yield self._chunk(request, "", [], len(prompt_ids), i, FinishReason.ABORT, None)
                 return
             tid = rng.randrange(_FIRST_WORD, len(VOCAB))

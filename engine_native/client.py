@@ -2,12 +2,14 @@
 
 A reader thread blocks on the engine's pipe and hands each message to the
 event loop; a writer thread sends, so a busy engine never blocks the loop.
-Each request gets an asyncio.Queue of `RequestOutput | EngineRequestError`.
+Each request gets an asyncio.Queue of `RequestOutput | EngineError`: a request
+that ends without output ends with one of the typed errors of `errors.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import queue
@@ -17,6 +19,13 @@ import time
 import msgspec
 
 from engine_native.config import EngineConfig
+from engine_native.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineShutDownError,
+    InvalidRequestError,
+    QueueFullError,
+)
 from engine_native.messages import (
     AbortRequest,
     AddRejected,
@@ -26,6 +35,7 @@ from engine_native.messages import (
     EngineMessage,
     EngineReady,
     EngineStats,
+    RejectReason,
     RequestOutput,
     SetFault,
     Shutdown,
@@ -35,37 +45,46 @@ from engine_native.process import engine_main
 
 log = logging.getLogger(__name__)
 
-
-class EngineRequestError(Exception):
-    """A request ended without output: rejected (queue full / invalid) or the engine died."""
-
-    def __init__(self, message: str, *, queue_full: bool = False, engine_dead: bool = False) -> None:
-        super().__init__(message)
-        self.queue_full = queue_full
-        self.engine_dead = engine_dead
+DEATH_POLL_S = 1.0  # how often wait_dead() looks at the process itself
 
 
 class AsyncEngineClient:
+    """One engine node. Its process can be replaced (`restart`) while the client object, and so
+    every reference to the node, stays; each process is an incarnation, and messages from an
+    earlier one are ignored."""
+
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         self._progress = progress
-        self._streams: dict[str, asyncio.Queue[RequestOutput | EngineRequestError]] = {}
+        self._streams: dict[str, asyncio.Queue[RequestOutput | EngineError]] = {}
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[EngineReady] | None = None
         self._proc: mp.process.BaseProcess | None = None
+        self._incarnation = 0
+        self._dead = asyncio.Event()
         self.info: EngineReady | None = None
         self.stats: EngineStats | None = None
         self.dead_reason: str | None = None
-        self._stats_waiters: list[asyncio.Future[EngineStats]] = []
         self.fault: tuple[float, bool] = (0.0, False)  # (step_delay_s, stall) last sent
         self.last_output_at = 0.0  # time.time() of the latest StepOutputs: the watchdog's evidence
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
 
     # ----- lifecycle -------------------------------------------------------------------
 
     async def start(self, timeout_s: float = 300.0) -> EngineReady:
+        """Spawn the engine process and wait until its model is loaded; raises if it fails to."""
         self._loop = asyncio.get_running_loop()
+        self._incarnation += 1
+        incarnation = self._incarnation
         self._ready = self._loop.create_future()
+        self._dead = asyncio.Event()
+        self._outbox = queue.SimpleQueue()  # a fresh one: the previous writer thread may still hold the old
+        self.dead_reason, self.info, self.stats = None, None, None
+        self.fault, self.last_output_at = (0.0, False), 0.0
         ctx = mp.get_context("spawn")
         parent_in, child_out = ctx.Pipe(duplex=False)  # engine -> client
         child_in, parent_out = ctx.Pipe(duplex=False)  # client -> engine
@@ -78,21 +97,50 @@ class AsyncEngineClient:
         self._proc.start()
         child_in.close()
         child_out.close()
-        threading.Thread(target=self._read_loop, args=(parent_in,), daemon=True).start()
-        threading.Thread(target=self._write_loop, args=(parent_out,), daemon=True).start()
-        self.info = await asyncio.wait_for(self._ready, timeout_s)
+        threading.Thread(target=self._read_loop, args=(parent_in, incarnation), daemon=True).start()
+        threading.Thread(target=self._write_loop, args=(parent_out, self._outbox), daemon=True).start()
+        try:
+            self.info = await asyncio.wait_for(self._ready, timeout_s)
+        except BaseException as exc:
+            # Dead or half-started: make sure no process is left behind, and say why.
+            self._on_dead(incarnation, f"failed to start: {exc or type(exc).__name__}")
+            await self._reap(0.0)
+            raise
         return self.info
 
+    async def restart(self, timeout_s: float = 300.0) -> None:
+        """Replace a dead engine process with a fresh one (the supervisor's call)."""
+        await self._reap(0.0)
+        await self.start(timeout_s)
+
     async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine on purpose; requests still on it end with EngineShutDownError."""
         self._send(Shutdown())
-        self._outbox.put(None)
-        if self._proc is not None:
+        self._on_dead(self._incarnation, "the engine was shut down", EngineShutDownError)
+        await self._reap(timeout_s)
+
+    async def wait_dead(self) -> str:
+        """Return once the engine is dead (at once if it is), with why. A process that is gone
+        without its pipe saying so (it cannot, today, but a wedged pipe must not hide a death) is
+        noticed by polling."""
+        while not self._dead.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dead.wait(), DEATH_POLL_S)
             proc = self._proc
-            await asyncio.to_thread(proc.join, timeout_s)
-            if proc.is_alive():
-                proc.kill()
-                await asyncio.to_thread(proc.join, 5)
-        self._fail_all("engine shut down")
+            if not self._dead.is_set() and proc is not None and not proc.is_alive():
+                self._on_dead(self._incarnation, f"the engine process exited (exit code {proc.exitcode})")
+        return self.dead_reason or "dead"
+
+    async def _reap(self, timeout_s: float) -> None:
+        """End the current process (SIGKILL after `timeout_s`) and release its writer thread."""
+        self._outbox.put(None)
+        proc = self._proc
+        if proc is None:
+            return
+        await asyncio.to_thread(proc.join, timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            await asyncio.to_thread(proc.join, 5)
 
     @property
     def alive(self) -> bool:
@@ -104,11 +152,12 @@ class AsyncEngineClient:
 
     # ----- requests --------------------------------------------------------------------
 
-    def add(self, msg: AddRequest) -> asyncio.Queue[RequestOutput | EngineRequestError]:
+    def add(self, msg: AddRequest) -> asyncio.Queue[RequestOutput | EngineError]:
+        """Send a request; its outputs, or the error it ended with, arrive on the returned queue.
+        Raises EngineDeadError when the engine is not running."""
         if not self.alive:
-            raise EngineRequestError(f"engine {self.config.node_id} is not running: {self.dead_reason}",
-                                     engine_dead=True)
-        stream: asyncio.Queue[RequestOutput | EngineRequestError] = asyncio.Queue()
+            raise EngineDeadError(f"engine {self.config.node_id} is not running: {self.dead_reason}")
+        stream: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
         self._streams[msg.request_id] = stream
         self._send(msg)
         return stream
@@ -128,23 +177,15 @@ class AsyncEngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def wait_for_stats(self, after: float, timeout_s: float = 5.0) -> EngineStats:
-        """The first stats the engine produces with a timestamp later than `after` (time.time())."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.stats is not None and self.stats.timestamp > after:
-                return self.stats
-            await asyncio.sleep(0.02)
-        raise TimeoutError("the engine sent no fresh stats")
-
     # ----- threads ---------------------------------------------------------------------
 
     def _send(self, msg: ClientMessage) -> None:
         self._outbox.put(msgspec.msgpack.encode(msg))
 
-    def _write_loop(self, conn) -> None:  # type: ignore[no-untyped-def]
+    @staticmethod
+    def _write_loop(conn, outbox: queue.SimpleQueue[bytes | None]) -> None:  # type: ignore[no-untyped-def]
         while True:
-            data = self._outbox.get()
+            data = outbox.get()
             if data is None:
                 return
             try:
@@ -152,20 +193,24 @@ class AsyncEngineClient:
             except OSError:
                 return
 
-    def _read_loop(self, conn) -> None:  # type: ignore[no-untyped-def]
+    def _read_loop(self, conn, incarnation: int) -> None:  # type: ignore[no-untyped-def]
         decoder = msgspec.msgpack.Decoder(EngineMessage)
-        assert self._loop is not None
+        loop = self._loop
+        assert loop is not None
         while True:
             try:
                 data = conn.recv_bytes()
             except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._on_dead, "the engine process exited")
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
+                    loop.call_soon_threadsafe(self._on_dead, incarnation, "the engine process exited")
                 return
-            self._loop.call_soon_threadsafe(self._dispatch, decoder.decode(data))
+            loop.call_soon_threadsafe(self._dispatch, incarnation, decoder.decode(data))
 
     # ----- on the event loop -----------------------------------------------------------
 
-    def _dispatch(self, msg: EngineMessage) -> None:
+    def _dispatch(self, incarnation: int, msg: EngineMessage) -> None:
+        if incarnation != self._incarnation:
+            return  # a late message of a process already replaced
         if isinstance(msg, StepOutputs):
             self.last_output_at = time.time()
             for out in msg.outputs:
@@ -182,21 +227,29 @@ class AsyncEngineClient:
         elif isinstance(msg, AddRejected):
             stream = self._streams.pop(msg.request_id, None)
             if stream is not None:
-                stream.put_nowait(EngineRequestError(msg.reason, queue_full=msg.queue_full))
+                error = QueueFullError if msg.reason is RejectReason.QUEUE_FULL else InvalidRequestError
+                stream.put_nowait(error(msg.message))
         elif isinstance(msg, EngineReady):
             self.info = msg
         elif isinstance(msg, EngineFailed):
-            self._on_dead(msg.error)
+            self._on_dead(incarnation, msg.error)
 
-    def _on_dead(self, reason: str) -> None:
+    def _on_dead(
+        self, incarnation: int, reason: str, error: type[EngineDeadError] = EngineDeadError
+    ) -> None:
+        if incarnation != self._incarnation:
+            return
         if self.dead_reason is None:
             self.dead_reason = reason
-            log.error("engine %s died: %s", self.config.node_id, reason)
+            level = logging.INFO if error is EngineShutDownError else logging.ERROR
+            log.log(level, "engine %s %s: %s", self.config.node_id,
+                    "stopped" if error is EngineShutDownError else "died", reason)
         if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(RuntimeError(f"engine failed to start: {reason}"))
-        self._fail_all(reason)
+            self._ready.set_exception(RuntimeError(reason))
+        self._dead.set()
+        self._fail_all(error, reason)
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, error: type[EngineDeadError], reason: str) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream.put_nowait(EngineRequestError(reason, engine_dead=True))
+            stream.put_nowait(error(reason))

@@ -61,7 +61,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # cap on running sequences per step
     max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
     long_prefill_token_threshold: int = 256  # a single prompt never takes more than this per step
-    max_waiting: int = 1024  # bound of the waiting queue; add_request beyond it is refused
+    max_waiting: int = 256  # bound of the waiting queue; add_request beyond it is refused
     # Second bound of the waiting queue, in tokens (prompts, plus outputs of preempted requests), so
     # a burst of long prompts cannot grow memory without bound either. A request is refused when the
     # queue is not empty and it would take the queue past this; None: no token bound.

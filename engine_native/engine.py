@@ -11,6 +11,7 @@ benchmark also drive it directly.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -108,9 +109,12 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         tenant_id: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> None:
         """Queue a request. Raises ValueError if it is invalid, QueueFullError if the queue is full."""
         params.validate()
+        if not (math.isfinite(tenant_weight) and tenant_weight > 0):
+            raise ValueError(f"tenant_weight must be a positive number, not {tenant_weight}")
         vocab = self.loaded.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -121,6 +125,7 @@ class LLMEngine:
             priority=priority,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             tenant_id=tenant_id,
+            tenant_weight=tenant_weight,
             eos_token_ids=self._eos,
             generator=make_generator(params.seed),
         )
@@ -209,7 +214,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             token_time=now or time.time(),
-            finish_reason=int(reason) if reason is not None else None,
+            finish_reason=reason,
             stop_reason=request.stop_reason,
             logprobs=logprobs,
             arrival_time=request.arrival_time,

@@ -2,10 +2,14 @@
 
 Within a priority value the next request comes from the tenant that has been
 served the fewest weighted tokens (a virtual token counter, as in "Fairness in
-Serving Large Language Models", Sheng et al. 2024): every computed token charges
-its tenant `1 / weight`, so over time tenants of one tier get service in
+Serving Large Language Models", Sheng et al. 2024): every token computed for the
+first time charges its tenant `1 / weight` (a token recomputed after a preemption
+is not charged again), so over time tenants of one tier get service in
 proportion to their weights, and a tenant flooding the queue cannot starve
 another. Within a tenant it is FCFS by arrival.
+
+A tenant's weight comes with its requests (`Request.tenant_weight`, set from the
+tenant's record by the gateway); `SchedulerConfig.tenant_weights` overrides it.
 
 A tenant that comes back after being idle has its counter lifted to the least
 counter of the tenants that are waiting, so that idling does not bank credit.
@@ -29,12 +33,18 @@ def tenant_of(request: Request) -> str:
 class FairShare:
     """Virtual token counters per tenant."""
 
-    def __init__(self, weights: Mapping[str, float] | None = None) -> None:
-        self.weights = dict(weights or {})
+    def __init__(self, overrides: Mapping[str, float] | None = None) -> None:
+        self.overrides = dict(overrides or {})  # SchedulerConfig.tenant_weights: win over what requests carry
+        self.carried: dict[str, float] = {}  # the weight the tenant's latest request carried
         self.counters: dict[str, float] = {}
 
     def weight(self, tenant: str) -> float:
-        return self.weights.get(tenant, 1.0)
+        override = self.overrides.get(tenant)
+        return override if override is not None else self.carried.get(tenant, 1.0)
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        """The weight a request of `tenant` carries; a change applies to the tokens charged from now."""
+        self.carried[tenant] = weight
 
     def charge(self, tenant: str, tokens: int) -> None:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + tokens / self.weight(tenant)
@@ -73,6 +83,7 @@ class WaitingQueue:
     def push(self, request: Request) -> None:
         tenants = self._tiers.setdefault(request.priority, {})
         tenant = tenant_of(request)
+        self.fair_share.set_weight(tenant, request.tenant_weight)
         if tenant not in tenants:
             waiting = [self.fair_share.counter(t) for t in tenants]
             if waiting:

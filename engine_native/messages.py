@@ -5,13 +5,33 @@ Engine -> client: StepOutputs (every step that produced something) and
 EngineStats (after steps and periodically when idle), AddRejected when a
 request could not be queued, EngineReady once the model is loaded, and
 EngineFailed before the process exits on an error.
+
+Reasons cross as enums (`FinishReason`, `RejectReason`), never as bare ints or flags.
+This module imports no torch: the gateway process decodes these.
 """
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from engine_native.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; on the wire as its int."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or the context length
+    ABORT = 2  # aborted by the client
+
+
+class RejectReason(enum.StrEnum):
+    """Why an AddRequest was not queued."""
+
+    QUEUE_FULL = "queue_full"  # at a bound of the waiting queue: retry later
+    INVALID = "invalid"  # the request can never run as sent
 
 
 class AddRequest(msgspec.Struct, tag="add", kw_only=True):
@@ -21,6 +41,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     priority: int = 0
     arrival_time: float
     tenant_id: str | None = None
+    tenant_weight: float = 1.0  # fair-share weight of the tenant within its priority (fair_queue.py)
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -55,7 +76,7 @@ class LogprobEntry(msgspec.Struct, array_like=True):
 
 
 class RequestOutput(msgspec.Struct, kw_only=True):
-    """New output of one request from one step. `finish_reason` is a request.FinishReason value."""
+    """New output of one request from one step; `finish_reason` is set on its last output."""
 
     request_id: str
     new_token_ids: list[int]
@@ -63,7 +84,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int
     num_output_tokens: int
     token_time: float  # when this step's token was produced
-    finish_reason: int | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     logprobs: list[LogprobEntry] | None = None
     # Set on the final output only.
@@ -81,8 +102,8 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
 
 class AddRejected(msgspec.Struct, tag="rejected", kw_only=True):
     request_id: str
-    reason: str
-    queue_full: bool  # True: retry later; False: the request itself is invalid
+    reason: RejectReason
+    message: str
 
 
 class EngineStats(msgspec.Struct, tag="stats", kw_only=True):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from engine_native.config import EngineConfig
+from engine_native.errors import QueueFullError
 from engine_native.messages import (
     AbortRequest,
     AddRejected,
@@ -28,6 +29,7 @@ from engine_native.messages import (
     EngineFailed,
     EngineMessage,
     EngineReady,
+    RejectReason,
     SetFault,
     Shutdown,
     StepOutputs,
@@ -111,8 +113,6 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
 
 
 def _add(engine: LLMEngine, msg: AddRequest, send: Callable[[EngineMessage], None]) -> None:
-    from engine_native.scheduler import QueueFullError
-
     try:
         engine.add_request(
             msg.request_id,
@@ -121,8 +121,9 @@ def _add(engine: LLMEngine, msg: AddRequest, send: Callable[[EngineMessage], Non
             priority=msg.priority,
             arrival_time=msg.arrival_time,
             tenant_id=msg.tenant_id,
+            tenant_weight=msg.tenant_weight,
         )
     except QueueFullError as exc:
-        send(AddRejected(request_id=msg.request_id, reason=str(exc), queue_full=True))
+        send(AddRejected(request_id=msg.request_id, reason=RejectReason.QUEUE_FULL, message=str(exc)))
     except ValueError as exc:
-        send(AddRejected(request_id=msg.request_id, reason=str(exc), queue_full=False))
+        send(AddRejected(request_id=msg.request_id, reason=RejectReason.INVALID, message=str(exc)))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine_native.messages import FinishReason
 from engine_native.sampling_params import SamplingParams
 
 
@@ -38,12 +39,6 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
-class FinishReason(enum.IntEnum):
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-
-
 _FINISH_REASON_OF_STATUS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
@@ -59,10 +54,14 @@ class Request:
     priority: int = 0  # lower value = more important
     arrival_time: float = field(default_factory=time.time)
     tenant_id: str | None = None
+    tenant_weight: float = 1.0  # fair-share weight of the tenant (fair_queue.FairShare)
     eos_token_ids: frozenset[int] = frozenset()
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # The most num_computed_tokens ever reached: a preemption resets num_computed_tokens, not this, so
+    # the tokens recomputed up to here are not charged to the tenant's fair share a second time.
+    max_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     preemption_times: list[float] = field(default_factory=list)  # time.time() of each, for traces

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine_native.config import SchedulerConfig
+from engine_native.errors import QueueFullError
 from engine_native.fair_queue import FairShare, WaitingQueue, tenant_of
 from engine_native.kv_cache_manager import KVCacheManager, cdiv
 from engine_native.request import Request, RequestStatus
@@ -72,10 +73,6 @@ class TokenUpdate:
     new_token_id: int
     logprobs: TokenLogprobs | None
     finished: bool
-
-
-class QueueFullError(Exception):
-    """The waiting queue is at its bound; the caller should retry later."""
 
 
 def _victim_order(request: Request) -> tuple[int, float]:
@@ -260,7 +257,12 @@ class Scheduler:
         for s in sched.scheduled:
             request = s.request
             request.num_computed_tokens = s.num_computed_before + s.num_new_tokens
-            self.fair_share.charge(tenant_of(request), s.num_new_tokens)
+            # Charge only tokens computed for the first time: a recompute after preemption is the
+            # engine's choice, not more service to the tenant (nor is a cached prefix, never computed).
+            first_time = request.num_computed_tokens - max(s.num_computed_before, request.max_computed_tokens)
+            if first_time > 0:
+                self.fair_share.charge(tenant_of(request), first_time)
+                request.max_computed_tokens = request.num_computed_tokens
             self.kv_cache.cache_full_blocks(
                 request.request_id,
                 request.num_computed_tokens,

@@ -19,6 +19,7 @@ from litestar.types import ControllerRouterHandler, Message, Scope
 from drivers.base import Driver
 from gateway.auth import SECURITY_COMPONENTS, provide_admin, provide_caller
 from gateway.body_timeout import BodyReadDeadline
+from gateway.drain import Drain
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.metrics import GatewayMetrics
 from gateway.routes.admin import ADMIN_ROUTES
@@ -52,13 +53,14 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
     )
     if settings.telemetry:
         service.observability = observability
-    state = State({"settings": settings, "tenancy": None})
+    drain = Drain(driver, settings.drain_timeout_s)  # SIGTERM: refuse new, finish or end the rest (drain.py)
+    state = State({"settings": settings, "tenancy": None, "drain": drain})
 
     @asynccontextmanager
     async def driver_lifespan(_: Litestar) -> AsyncGenerator[None, None]:
         # A model can take a while to load: the server listens meanwhile, /healthz answers and
         # /readyz says 503 until the driver is ready. A driver that starts at once is awaited.
-        loading = asyncio.create_task(_start_driver(driver), name="sluice-driver-start")
+        loading = asyncio.create_task(_start_driver(driver, drain), name="sluice-driver-start")
         await asyncio.wait([loading], timeout=DRIVER_START_WAIT_S)
         try:
             yield
@@ -72,7 +74,8 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
 
     @asynccontextmanager
     async def tenancy_lifespan(_: Litestar) -> AsyncGenerator[None, None]:
-        # Runs inside driver_lifespan: on shutdown, usage and refunds are flushed before the driver stops.
+        # Runs inside driver_lifespan, and after the drain (gateway/drain.py): every request has ended
+        # and queued its usage record by then; stopping the tenancy flushes them, then the driver stops.
         tenancy, first_start = await Tenancy.start(settings, metrics.registry)
         if first_start is not None:
             _announce_first_start(first_start, settings)
@@ -112,8 +115,9 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
         },
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[driver_lifespan, *([tenancy_lifespan] if settings.auth else [])],
+        # The drain sees every request first (503 once stopping); then the body-read deadline.
+        middleware=[drain.middleware, BodyReadDeadline(settings.body_timeout_s)],
         before_send=[count_response],
-        middleware=[BodyReadDeadline(settings.body_timeout_s)],
         request_max_body_size=settings.max_body_bytes,
         state=state,
         openapi_config=OpenAPIConfig(
@@ -129,12 +133,13 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
 DRIVER_START_WAIT_S = 1.0  # start-up waits this long for the driver before listening without it
 
 
-async def _start_driver(driver: Driver) -> None:
-    """Start the driver; if that fails the process cannot serve, so log why and shut down."""
+async def _start_driver(driver: Driver, drain: Drain) -> None:
+    """Start the driver; if that fails the process cannot serve, so log why and shut down (status 1)."""
     try:
         await driver.start()
     except Exception as exc:
         log.exception("the driver failed to start; shutting down", extra={"error": str(exc)})
+        drain.exit_code = 1
         os.kill(os.getpid(), signal.SIGTERM)
         return
     log.info("driver ready")

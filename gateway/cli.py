@@ -12,8 +12,10 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from dataclasses import replace
+from typing import NoReturn
 
+from drivers.options import EngineOptions
 from gateway.settings import Settings
 
 log = logging.getLogger("sluice.cli")
@@ -31,6 +33,9 @@ def parse_bytes(text: str) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Settings) -> None:
+    # Engine flags default to None: the value comes from the environment when set there, else from the
+    # driver's own defaults (engine_native/config.py for the native engine), so each lives in one place.
+    e = env.engine
     p = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible gateway",
@@ -41,16 +46,19 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     p.add_argument("--driver", default=env.driver, help="engine driver: native or synthetic (SLUICE_DRIVER)")
     p.add_argument(
         "--model",
-        default=env.model,
+        default=e.model,
         help="model path for the native driver; default: the bundled model (SLUICE_MODEL)",
     )
     p.add_argument("--served-model-name", default=None, help="model id clients send; default: the driver's")
     p.add_argument(
-        "--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-        help="weight/activation dtype; auto: bfloat16 only on CPUs with native bf16 (AVX-512 BF16, AMX)"
+        "--dtype", default=None, choices=["auto", "bfloat16", "float32"],
+        help="weight/activation dtype; default: the engine's (auto: bfloat16 only on CPUs with native bf16, "
+        "AVX-512 BF16 or AMX)"
     )
-    p.add_argument("--max-num-seqs", type=int, default=64, help="cap on sequences running in one engine step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="cap on sequences running in one engine step; default: the engine's")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step; default: the engine's")
     p.add_argument(
         "--kv-cache-memory",
         type=parse_bytes,
@@ -62,23 +70,24 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     p.add_argument(
         "--max-waiting",
         type=int,
-        default=env.max_waiting,
-        help="queued requests beyond the running ones before 503 (SLUICE_MAX_WAITING)",
+        default=e.max_waiting,
+        help="queued requests beyond the running ones before 503 (SLUICE_MAX_WAITING); default: the engine's",
     )
     p.add_argument(
         "--max-waiting-tokens",
         type=int,
-        default=env.max_waiting_tokens,
-        help="queued prompt tokens before 503 (SLUICE_MAX_WAITING_TOKENS)",
+        default=e.max_waiting_tokens,
+        help="queued prompt tokens before 503, 0: no bound (SLUICE_MAX_WAITING_TOKENS); default: the engine's",
     )
     p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
-        default=256,
-        help="largest prefill chunk of one request per step (lower: steadier decode latency)",
+        default=None,
+        help="largest prefill chunk of one request per step (lower: steadier decode latency); default: the engine's",
     )
     p.add_argument(
-        "--no-prefix-caching", dest="prefix_caching", action="store_false", help="do not reuse KV of shared prefixes"
+        "--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
+        help="do not reuse KV of shared prefixes",
     )
     p.add_argument(
         "--no-load-shedding",
@@ -100,6 +109,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
         help="lifetime cap of one generation in seconds (SLUICE_STREAM_TIMEOUT_S)",
     )
     p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=env.drain_timeout_s,
+        help="on SIGTERM, seconds requests in flight may run on before they are ended (SLUICE_DRAIN_TIMEOUT_S)",
+    )
+    p.add_argument(
         "--no-auth",
         dest="auth",
         action="store_false",
@@ -110,13 +125,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     p.add_argument(
         "--synthetic-tokens-per-second",
         type=float,
-        default=50.0,
-        help="synthetic driver: decode rate per request (0 = unthrottled)",
+        default=None,
+        help="synthetic driver: decode rate per request (0 = unthrottled); default: the driver's",
     )
     p.add_argument(
-        "--synthetic-ttft-ms", type=float, default=50.0, help="synthetic driver: time to first token"
+        "--synthetic-ttft-ms", type=float, default=None, help="synthetic driver: time to first token; default: the driver's"
     )
     _add_node_arguments(p)
+    _add_restart_arguments(p, env)
     p.set_defaults(func=_serve)
 
 
@@ -125,7 +141,7 @@ def _add_node_arguments(p: argparse.ArgumentParser) -> None:
 
     d = NodeHealthConfig()
     g = p.add_argument_group("engine nodes (native driver; see docs/observability.md)")
-    g.add_argument("--engines", type=int, default=1, help="engine processes (nodes node-0..N-1)")
+    g.add_argument("--engines", type=int, default=None, help="engine processes (nodes node-0..N-1); default: one")
     g.add_argument(
         "--fault-step-delay", action="append", default=[], metavar="NODE=SECONDS",
         help="chaos testing: extra sleep after every engine step of NODE (repeatable)",
@@ -141,7 +157,25 @@ def _add_node_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without a token, with work in flight, before a node is stalled")
 
 
-def _node_options(args: argparse.Namespace) -> dict[str, Any]:
+def _add_restart_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
+    from drivers.supervisor import RestartPolicy
+
+    d = env.engine.restart or RestartPolicy()
+    g = p.add_argument_group("engine supervision (native driver; see docs/observability.md)")
+    g.add_argument("--engine-restart-backoff", type=float, default=d.backoff_initial_s,
+                   help="seconds before restarting a dead engine, doubling per death (SLUICE_ENGINE_RESTART_BACKOFF_S)")
+    g.add_argument("--engine-restart-backoff-max", type=float, default=d.backoff_max_s,
+                   help="cap of the restart backoff, seconds")
+    g.add_argument("--engine-max-failures", type=int, default=d.max_failures,
+                   help="engine deaths within the window that make a crash loop: give up, /healthz 503 "
+                        "(SLUICE_ENGINE_MAX_FAILURES)")
+    g.add_argument("--engine-failure-window", type=float, default=d.failure_window_s,
+                   help="the crash-loop window, seconds (SLUICE_ENGINE_FAILURE_WINDOW_S)")
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine's knobs from the parsed `serve` flags (whose defaults already hold the environment)."""
+    from drivers.supervisor import RestartPolicy
     from observability.node_health import NodeHealthConfig
 
     delays = {}
@@ -154,36 +188,32 @@ def _node_options(args: argparse.Namespace) -> dict[str, Any]:
         window_s=args.node_window, min_samples=args.node_min_samples, min_ratio=args.node_min_ratio,
         flag_after=args.node_flag_after, unflag_after=args.node_unflag_after, stall_after_s=args.node_stall_after,
     )
-    return {"num_engines": args.engines, "fault_step_delay": delays, "node_health": health}
-
-
-def _driver_options(args: argparse.Namespace) -> dict[str, Any]:
-    if args.driver == "synthetic":
-        options: dict[str, Any] = {
-            "model_name": args.served_model_name or "synthetic",
-            "tokens_per_second": args.synthetic_tokens_per_second,
-            "ttft_s": args.synthetic_ttft_ms / 1000.0,
-            "max_num_seqs": args.max_num_seqs,
-            "max_waiting": args.max_waiting,
-        }
-        if args.max_model_len:
-            options["max_model_len"] = args.max_model_len
-        return options
-    return {
-        "model_path": args.model,
-        "dtype": args.dtype,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "kv_cache_memory_bytes": args.kv_cache_memory,
-        "served_model_name": args.served_model_name,
-        "num_threads": args.num_threads,
-        **_node_options(args),
-        "max_waiting": args.max_waiting,
-        "max_waiting_tokens": args.max_waiting_tokens,
-        "long_prefill_token_threshold": args.long_prefill_token_threshold,
-        "enable_prefix_caching": args.prefix_caching,
-        **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
-    }
+    ttft_ms = args.synthetic_ttft_ms
+    return EngineOptions(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        num_threads=args.num_threads,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_waiting=args.max_waiting,
+        max_waiting_tokens=args.max_waiting_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        enable_prefix_caching=args.prefix_caching,
+        num_engines=args.engines,
+        node_health=health,
+        restart=RestartPolicy(
+            backoff_initial_s=args.engine_restart_backoff,
+            backoff_max_s=args.engine_restart_backoff_max,
+            max_failures=args.engine_max_failures,
+            failure_window_s=args.engine_failure_window,
+        ),
+        fault_step_delay=delays,
+        synthetic_tokens_per_second=args.synthetic_tokens_per_second,
+        synthetic_ttft_s=ttft_ms / 1000.0 if ttft_ms is not None else None,
+    )
 
 
 def _serve(args: argparse.Namespace, env: Settings) -> int:
@@ -191,29 +221,27 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
 
     from drivers.registry import create_driver
     from gateway.app import create_app
+    from gateway.drain import Drain, DrainingServer
     from gateway.logs import configure_logging
 
-    settings = Settings(
-        **{
-            **{f: getattr(env, f) for f in env.__dataclass_fields__},
-            "host": args.host,
-            "port": args.port,
-            "driver": args.driver,
-            "model": args.model,
-            "max_waiting": args.max_waiting,
-            "max_waiting_tokens": args.max_waiting_tokens,
-            "load_shedding": args.load_shedding,
-            "max_body_bytes": args.max_body_bytes,
-            "stream_timeout_s": args.stream_timeout,
-            "log_level": args.log_level.upper(),
-            "auth": args.auth,
-        }
+    settings = replace(
+        env,
+        host=args.host,
+        port=args.port,
+        driver=args.driver,
+        engine=engine_options(args),
+        load_shedding=args.load_shedding,
+        max_body_bytes=args.max_body_bytes,
+        stream_timeout_s=args.stream_timeout,
+        drain_timeout_s=args.drain_timeout,
+        log_level=args.log_level.upper(),
+        auth=args.auth,
     )
     configure_logging(settings.log_level, log_prompts=settings.log_prompts)
-    driver = create_driver(settings.driver, **_driver_options(args))
+    driver = create_driver(settings.driver, settings.engine)
     app = create_app(settings, driver)
     base = f"http://{settings.host}:{settings.port}"
-    log.info("starting", extra={"address": base, "driver": settings.driver, "model": settings.model})
+    log.info("starting", extra={"address": base, "driver": settings.driver, "model": settings.engine.model})
     auth_header = "-H \"authorization: Bearer $SLUICE_KEY\" " if settings.auth else ""
     print(
         f"Sluice listening on {base} (driver {settings.driver}, auth {'on' if settings.auth else 'off'}). Try:\n"
@@ -227,16 +255,18 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
             "  POST /admin/tenants/<id>/keys, with the admin key; see README 'Tenants'). --no-auth turns auth off.",
             flush=True,
         )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_config=None,
         log_level=settings.log_level.lower(),
         access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5,  # after the drain (gateway/drain.py): only idle connections are left
     )
-    return 0
+    drain: Drain = app.state["drain"]
+    DrainingServer(config, drain).run()
+    return drain.exit_code
 
 
 def build_parser(env: Settings) -> argparse.ArgumentParser:

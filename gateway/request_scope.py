@@ -165,7 +165,10 @@ class RequestScope:
             # The tenant's tier orders its work in the engine (lower = sooner); see tenants.models. A
             # request's own `priority` may only lower its importance below the tier, never raise it.
             requests = [
-                msgspec.structs.replace(r, priority=max(caller.priority, r.priority), tenant_id=caller.tenant_id)
+                msgspec.structs.replace(
+                    r, priority=max(caller.priority, r.priority), tenant_id=caller.tenant_id,
+                    tenant_weight=caller.weight,  # its fair share within the tier (engine_native/fair_queue.py)
+                )
                 for r in dispatch.requests
             ]
             dispatch = dataclasses.replace(dispatch, requests=requests)

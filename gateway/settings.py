@@ -1,10 +1,16 @@
-"""Gateway settings: read once from the environment at the edge, then passed down frozen."""
+"""Gateway settings: read once from the environment (and the CLI) at the edge, then passed down frozen.
+
+What the engine is asked for lives in `engine` (`drivers.options.EngineOptions`); the driver turns
+it into its own config, with the defaults of the engine layer for whatever is left unset."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from drivers.options import EngineOptions, overrides
+from drivers.supervisor import RestartPolicy
 
 
 @dataclass(frozen=True)
@@ -15,18 +21,15 @@ class Settings:
     """TCP port to listen on (SLUICE_PORT)."""
     driver: str = "native"
     """Registered driver name serving requests: "native" or "synthetic" (SLUICE_DRIVER)."""
-    model: str | None = None
-    """Model path for the native driver; None lets the driver pick its bundled model (SLUICE_MODEL)."""
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    """The engine's knobs (model, queue bounds, batch sizes, engines, ...): SLUICE_MODEL,
+    SLUICE_MAX_WAITING, SLUICE_MAX_WAITING_TOKENS and the `sluice serve` flags; unset ones keep the
+    driver's defaults (see drivers/options.py)."""
     max_body_bytes: int = 1 << 20
     """Largest request body accepted; bigger bodies get 413 (SLUICE_MAX_BODY_BYTES)."""
     body_timeout_s: float = 30.0
     """Longest a client may take to send a request's whole body; slower ones get 408 and the connection
     is closed (SLUICE_BODY_TIMEOUT_S)."""
-    max_waiting: int = 256
-    """Requests the driver may queue beyond those running before it sheds load with 503 (SLUICE_MAX_WAITING)."""
-    max_waiting_tokens: int = 1 << 18
-    """Tokens (prompts) the engine may queue beyond those running before it sheds load with 503
-    (SLUICE_MAX_WAITING_TOKENS)."""
     load_shedding: bool = True
     """Refuse early (503 + Retry-After) requests whose estimated queue wait exceeds their tier's TTFT
     target, or that would fill their tier's share of the queue (SLUICE_LOAD_SHEDDING=0 turns it off;
@@ -41,6 +44,10 @@ class Settings:
     """Root log level (SLUICE_LOG_LEVEL)."""
     max_default_tokens: int = 4096
     """Cap on max_tokens when a request omits it (remaining context otherwise) (SLUICE_MAX_DEFAULT_TOKENS)."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long requests in flight may run on before they are ended (503 / an SSE error
+    event) and the server exits; new requests are refused meanwhile (SLUICE_DRAIN_TIMEOUT_S). See
+    gateway/drain.py."""
     stream_timeout_s: float = 600.0
     """Lifetime cap of one generation, streamed or not; longer ones are aborted (SLUICE_STREAM_TIMEOUT_S)."""
     auth: bool = True
@@ -94,17 +101,21 @@ class Settings:
             host=e.get("SLUICE_HOST", d.host),
             port=int(e.get("SLUICE_PORT", d.port)),
             driver=e.get("SLUICE_DRIVER", d.driver),
-            model=e.get("SLUICE_MODEL") or d.model,
+            engine=EngineOptions(
+                model=e.get("SLUICE_MODEL") or None,
+                max_waiting=_int(e.get("SLUICE_MAX_WAITING")),
+                max_waiting_tokens=_int(e.get("SLUICE_MAX_WAITING_TOKENS")),
+                restart=_restart_policy(e),
+            ),
             max_body_bytes=int(e.get("SLUICE_MAX_BODY_BYTES", d.max_body_bytes)),
             body_timeout_s=float(e.get("SLUICE_BODY_TIMEOUT_S", d.body_timeout_s)),
-            max_waiting=int(e.get("SLUICE_MAX_WAITING", d.max_waiting)),
-            max_waiting_tokens=int(e.get("SLUICE_MAX_WAITING_TOKENS", d.max_waiting_tokens)),
             load_shedding=e.get("SLUICE_LOAD_SHEDDING", "1").lower() not in ("0", "false", "off", "no"),
             ttft_targets_s=_floats(e.get("SLUICE_TTFT_TARGETS_S"), d.ttft_targets_s),
             queue_share=_floats(e.get("SLUICE_QUEUE_SHARE"), d.queue_share),
             log_level=e.get("SLUICE_LOG_LEVEL", d.log_level).upper(),
             max_default_tokens=int(e.get("SLUICE_MAX_DEFAULT_TOKENS", d.max_default_tokens)),
             stream_timeout_s=float(e.get("SLUICE_STREAM_TIMEOUT_S", d.stream_timeout_s)),
+            drain_timeout_s=float(e.get("SLUICE_DRAIN_TIMEOUT_S", d.drain_timeout_s)),
             auth=e.get("SLUICE_AUTH", "1").lower() not in ("0", "false", "off", "no"),
             data_dir=e.get("SLUICE_DATA_DIR", d.data_dir),
             database_url=e.get("DATABASE_URL") or d.database_url,
@@ -138,7 +149,28 @@ class Settings:
             )
 
     def __repr__(self) -> str:  # keep secrets out of logs
-        return f"Settings(host={self.host!r}, port={self.port}, driver={self.driver!r}, model={self.model!r})"
+        return (
+            f"Settings(host={self.host!r}, port={self.port}, driver={self.driver!r}, model={self.engine.model!r})"
+        )
+
+
+def _restart_policy(env: Mapping[str, str]) -> RestartPolicy | None:
+    """The engine restart policy's fields set in the environment; None when none is."""
+    fields = overrides(
+        backoff_initial_s=_float(env.get("SLUICE_ENGINE_RESTART_BACKOFF_S")),
+        max_failures=_int(env.get("SLUICE_ENGINE_MAX_FAILURES")),
+        failure_window_s=_float(env.get("SLUICE_ENGINE_FAILURE_WINDOW_S")),
+    )
+    return RestartPolicy(**fields) if fields else None
+
+
+def _float(text: str | None) -> float | None:
+    return float(text) if text and text.strip() else None
+
+
+def _int(text: str | None) -> int | None:
+    """An integer from the environment; unset or empty: None (the default of the layer that owns it)."""
+    return int(text) if text and text.strip() else None
 
 
 def _floats(text: str | None, default: tuple[float, ...]) -> tuple[float, ...]:

@@ -68,6 +68,7 @@ class EventKind(enum.StrEnum):
     UNFLAGGED = "unflagged"
     STALLED = "stalled"
     RECOVERED = "recovered"
+    RESTARTED = "restarted"  # a dead node's engine came back (a fresh process: a fresh window)
 
 
 @dataclass(frozen=True)
@@ -154,9 +155,19 @@ class NodeHealthMonitor:
         n.in_flight = in_flight
 
     def mark_dead(self, node: str, reason: str, now: float) -> None:
+        """The node's engine is gone; a node already dead only has its reason updated (no new event)."""
         n = self._nodes[node]
         if n.status is not NodeStatus.DEAD:
-            self._transition(n, node, NodeStatus.DEAD, EventKind.FLAGGED, f"engine dead: {reason}", now)
+            self._transition(n, node, NodeStatus.DEAD, EventKind.FLAGGED, reason, now)
+        else:
+            n.reason = reason
+
+    def mark_restarted(self, node: str, now: float) -> None:
+        """A dead node runs again: a new process, judged afresh (its old samples say nothing of it)."""
+        old = self._nodes[node]
+        fresh = self._nodes[node] = _Node(last_progress=now)
+        if old.status is NodeStatus.DEAD:
+            self._transition(fresh, node, NodeStatus.HEALTHY, EventKind.RESTARTED, "engine restarted", now)
 
     def status(self, node: str) -> NodeStatus:
         return self._nodes[node].status

@@ -194,7 +194,7 @@ def test_through_the_app_on_the_synthetic_driver_lowest_tier_is_refused_first() 
     """A slow synthetic engine with a queue of 8: a burst of tier-2 requests fills its share (6) and the
     rest get 503 + Retry-After; tier 0 still gets in; the body's priority is used as is without auth."""
     driver = SyntheticDriver(tokens_per_second=20, ttft_s=0.01, max_num_seqs=2, max_waiting=8)
-    settings = Settings(auth=False, queue_share=(1.0, 0.9, 0.75), max_waiting=8)
+    settings = Settings(auth=False, queue_share=(1.0, 0.9, 0.75))
     app = create_app(settings, driver)
 
     async def main() -> tuple[list[int], list[int], set[str]]:

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from drivers.base import ChatMessage, FinishReason, GenerationRequest, InvalidRequestError, OverloadedError
+from drivers.options import EngineOptions
 from drivers.registry import available_drivers, create_driver
 from drivers.synthetic import SyntheticDriver
 
@@ -29,7 +30,7 @@ def test_registry_creates_synthetic_without_importing_native() -> None:
     import sys
 
     assert {"synthetic", "native"} <= set(available_drivers())
-    assert isinstance(create_driver("synthetic", tokens_per_second=0), SyntheticDriver)
+    assert isinstance(create_driver("synthetic", EngineOptions(synthetic_tokens_per_second=0)), SyntheticDriver)
     assert "drivers.native" not in sys.modules or "torch" in sys.modules  # lazily imported only
     with pytest.raises(ValueError, match="unknown driver"):
         create_driver("nope")

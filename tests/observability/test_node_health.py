@@ -105,3 +105,24 @@ def test_the_watchdog_flags_a_node_with_work_and_no_tokens_then_recovers() -> No
 def test_prompt_buckets() -> None:
     assert [prompt_bucket(n) for n in (1, 128, 129, 512, 2000, 8192, 9000)] == [
         "<=128", "<=128", "<=512", "<=512", "<=2k", "<=8k", ">8k"]
+
+
+def test_a_dead_node_is_left_out_and_a_restarted_one_is_judged_afresh() -> None:
+    rng = random.Random(3)
+    mon = NodeHealthMonitor(NODES, CFG)
+    normal = ([2, 4, 8], 1.0)
+    feed(mon, 0, 10, {"node-0": normal, "node-1": ([2, 4, 8], 3.0), "node-2": normal}, rng)
+    assert mon.status("node-1") is NodeStatus.SLUGGISH
+    mon.mark_dead("node-1", "engine dead: killed; restarting in 1.0 s", 10.0)
+    mon.mark_dead("node-1", "engine dead: killed; restarting in 2.0 s", 11.0)  # a new plan, not a new event
+    assert [e.kind for e in mon.events if e.node == "node-1"] == [EventKind.FLAGGED, EventKind.FLAGGED]
+    assert {a.node: a.reason for a in mon.assessments()}["node-1"].endswith("2.0 s")
+    feed(mon, 11, 5, {"node-0": normal, "node-2": normal}, rng)
+    assert mon.status("node-1") is NodeStatus.DEAD
+    mon.mark_restarted("node-1", 16.0)
+    assert mon.status("node-1") is NodeStatus.HEALTHY
+    assert mon.events[-1].kind is EventKind.RESTARTED
+    assert {a.node: a.samples for a in mon.assessments()}["node-1"] == 0  # the old process's samples are gone
+    events = feed(mon, 16, 10, dict.fromkeys(NODES, normal), rng)  # the transitions come out of evaluate()
+    assert [(e.node, e.kind) for e in events] == [("node-1", EventKind.RESTARTED)]
+    assert mon.status("node-1") is NodeStatus.HEALTHY

@@ -1,0 +1,64 @@
+"""What the service asks of its engine, whichever driver runs it.
+
+The edge (CLI flags and environment, read once into `gateway.settings.Settings.engine`) fills an
+`EngineOptions`; the driver named by `--driver` turns it into its own configuration
+(`NativeDriver.from_options` -> `NativeDriverConfig`, `SyntheticDriver.from_options`). A field left
+at None means "the driver's own default", so every default lives in one place: the native engine's
+in `engine_native/config.py` (and `NativeDriverConfig`), the synthetic driver's in its constructor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from drivers.supervisor import RestartPolicy
+from observability.node_health import NodeHealthConfig
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model: str | None = None
+    """Model path of the native driver; None: the bundled model (SLUICE_MODEL, --model)."""
+    served_model_name: str | None = None
+    """Model id clients send; None: the driver's (--served-model-name)."""
+    dtype: str | None = None
+    """Weight/activation dtype, "bfloat16" or "float32" (--dtype)."""
+    num_threads: int | None = None
+    """Torch CPU threads per engine; None: torch's choice (--num-threads)."""
+    max_model_len: int | None = None
+    """Context length cap; None: the model's (--max-model-len)."""
+    max_num_seqs: int | None = None
+    """Cap on sequences running in one engine step (--max-num-seqs)."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one engine step (--max-num-batched-tokens)."""
+    long_prefill_token_threshold: int | None = None
+    """Largest prefill chunk of one request per step (--long-prefill-token-threshold)."""
+    max_waiting: int | None = None
+    """Requests an engine queues beyond those running before it refuses with 503
+    (SLUICE_MAX_WAITING, --max-waiting)."""
+    max_waiting_tokens: int | None = None
+    """Prompt tokens an engine queues before it refuses with 503; 0: no token bound
+    (SLUICE_MAX_WAITING_TOKENS, --max-waiting-tokens)."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache pool of one engine; None: a fraction of free memory (--kv-cache-memory)."""
+    enable_prefix_caching: bool | None = None
+    """Reuse the KV of shared prefixes (--no-prefix-caching turns it off)."""
+    num_engines: int | None = None
+    """Engine processes of the native driver, nodes node-0..N-1 (--engines)."""
+    node_health: NodeHealthConfig | None = None
+    """Sluggish / stalled node detection (the --node-* flags)."""
+    restart: RestartPolicy | None = None
+    """Restarting dead engines, and when to give up (SLUICE_ENGINE_*, the --engine-* flags)."""
+    fault_step_delay: Mapping[str, float] = field(default_factory=dict)
+    """Chaos testing: extra sleep after every engine step, by node (--fault-step-delay NODE=SECONDS)."""
+    synthetic_tokens_per_second: float | None = None
+    """Synthetic driver: decode rate per request; 0: unthrottled (--synthetic-tokens-per-second)."""
+    synthetic_ttft_s: float | None = None
+    """Synthetic driver: time to first token (--synthetic-ttft-ms / 1000)."""
+
+
+def overrides(**values: Any) -> dict[str, Any]:
+    """The options that are set (not None), as keyword arguments for `dataclasses.replace`."""
+    return {name: value for name, value in values.items() if value is not None}

@@ -1,0 +1,52 @@
+"""Configuration from the edge to the engine: CLI flags and environment -> Settings -> the driver's
+config -> each engine's EngineConfig, with every default taken from the layer that owns it."""
+
+from __future__ import annotations
+
+from drivers.native import NativeDriverConfig
+from drivers.options import EngineOptions
+from drivers.synthetic import SyntheticDriver
+from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
+from gateway.cli import build_parser, engine_options
+from gateway.settings import Settings
+
+
+def serve_options(argv: list[str], env: dict[str, str] | None = None) -> EngineOptions:
+    settings = Settings.from_env(env or {})
+    args = build_parser(settings).parse_args(["serve", *argv])
+    return engine_options(args)
+
+
+def test_unset_knobs_keep_the_engine_defaults() -> None:
+    config = NativeDriverConfig.from_options(serve_options([]))
+    assert config.engine.scheduler == SchedulerConfig()
+    assert config.engine.cache == CacheConfig()
+    assert config.engine.dtype == EngineConfig(model_path="x").dtype
+    assert config.num_engines == 1
+    assert config.engine_config(0).node_id == "node-0"
+
+
+def test_environment_then_flags_reach_every_engine() -> None:
+    env = {"SLUICE_MAX_WAITING": "7", "SLUICE_MAX_WAITING_TOKENS": "900", "SLUICE_MODEL": "/m.gguf"}
+    config = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--max-num-seqs", "3"], env))
+    engines = [config.engine_config(i) for i in range(config.num_engines)]
+    assert [e.node_id for e in engines] == ["node-0", "node-1"]
+    for e in engines:
+        assert (e.scheduler.max_waiting, e.scheduler.max_waiting_tokens, e.scheduler.max_num_seqs) == (7, 900, 3)
+        assert e.model_path == "/m.gguf"
+    flag_wins = NativeDriverConfig.from_options(serve_options(["--max-waiting", "11"], env))
+    assert flag_wins.engine.scheduler.max_waiting == 11
+
+
+def test_zero_waiting_tokens_means_no_token_bound() -> None:
+    config = NativeDriverConfig.from_options(serve_options(["--max-waiting-tokens", "0"]))
+    assert config.engine.scheduler.max_waiting_tokens is None
+
+
+def test_the_synthetic_driver_takes_the_knobs_it_has() -> None:
+    driver = SyntheticDriver.from_options(
+        serve_options(["--max-num-seqs", "5", "--max-waiting", "6", "--synthetic-ttft-ms", "20"])
+    )
+    assert (driver.max_num_seqs, driver.max_waiting, driver.ttft_s) == (5, 6, 0.02)
+    defaults = SyntheticDriver.from_options(serve_options([]))
+    assert (defaults.max_num_seqs, defaults.max_waiting) == (SchedulerConfig().max_num_seqs, SchedulerConfig().max_waiting)
