@@ -6,6 +6,7 @@ What each function computes is written at the top of its source file:
 
     quant_linear.cpp     q4_1_linear, q8_0_linear: x @ W^T with W in GGUF blocks
     paged_attention.cpp  paged_decode_attention: one query per sequence over the paged KV cache
+    fused_decode.cpp     FusedDecoder: a whole pure-decode step of a Llama-family model in one call
 
 The build goes through torch.utils.cpp_extension (ninja, the host's g++) into
 ~/.cache/sluice/kernels/<key>, where the key covers the source, torch's version and this CPU's
@@ -27,7 +28,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "bindings.cpp", _HERE / "quant_linear.cpp", _HERE / "paged_attention.cpp"]
+_SOURCES = [_HERE / n for n in ("bindings.cpp", "quant_linear.cpp", "paged_attention.cpp", "fused_decode.cpp")]
+_HEADERS = [_HERE / "simd.h"]
 
 
 def _cpu_flags() -> str:
@@ -43,7 +45,7 @@ def _cpu_flags() -> str:
 
 def _build_dir() -> Path:
     key = hashlib.sha256()
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(_cpu_flags().encode())
@@ -82,7 +84,7 @@ def cpu_kernels() -> ModuleType | None:
             name="sluice_cpu_kernels",
             sources=[str(s) for s in _SOURCES],
             build_directory=str(_build_dir()),
-            extra_cflags=["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG"],
+            extra_cflags=["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG", f"-I{_HERE}"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -19,21 +19,14 @@
 // ATen's intra-op threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
+#include "simd.h"
+
+namespace sluice {
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kMaxRows = 8;  // rows of x handled per pass over the weights
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
 
 inline __m256 u8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 inline __m256 i8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
@@ -99,27 +92,46 @@ inline void dot_rows(Block block, int64_t nblocks, const float* x, int64_t rows,
   }
 }
 
-void check_x(const torch::Tensor& x, int64_t k) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be a contiguous float32 [M, K] tensor");
-  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight ", k);
-}
-
 template <typename RowBlock>
-torch::Tensor run(const torch::Tensor& x, int64_t n, int64_t nblocks, RowBlock row_block) {
-  const int64_t m = x.size(0), k = x.size(1);
-  auto out = torch::empty({m, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+void run(const float* x, int64_t m, int64_t k, int64_t n, int64_t nblocks, RowBlock row_block, float* out) {
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       auto block = row_block(row);
       for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
-        dot_rows(block, nblocks, xp + r0 * k, std::min(kMaxRows, m - r0), k, op + r0 * n + row, n);
+        dot_rows(block, nblocks, x + r0 * k, std::min(kMaxRows, m - r0), k, out + r0 * n + row, n);
       }
     }
   });
-  return out;
+}
+
+}  // namespace
+
+void quant_matmul(QuantFormat format, const float* x, int64_t m, int64_t k, const void* qs, const float* scales,
+                  int64_t n, float* out) {
+  const int64_t nblocks = k / kBlock;
+  if (format == QuantFormat::Q4_1) {
+    const uint8_t* q = static_cast<const uint8_t*>(qs);
+    run(x, m, k, n, nblocks, [=](int64_t row) {
+      const uint8_t* rq = q + row * nblocks * 16;
+      const float* rs = scales + row * nblocks * 2;
+      return [=](int64_t b, __m256 w[4]) { q4_1_block(rq + b * 16, rs[2 * b], rs[2 * b + 1], w); };
+    }, out);
+  } else {
+    const int8_t* q = static_cast<const int8_t*>(qs);
+    run(x, m, k, n, nblocks, [=](int64_t row) {
+      const int8_t* rq = q + row * nblocks * 32;
+      const float* rs = scales + row * nblocks;
+      return [=](int64_t b, __m256 w[4]) { q8_0_block(rq + b * 32, rs[b], w); };
+    }, out);
+  }
+}
+
+namespace {
+
+void check_x(const torch::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight ", k);
 }
 
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
@@ -127,15 +139,12 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
               "qs must be a contiguous uint8 [N, K/32, 16] tensor");
   TORCH_CHECK(dm.dim() == 3 && dm.size(2) == 2 && dm.scalar_type() == torch::kFloat32 && dm.is_contiguous(),
               "dm must be a contiguous float32 [N, K/32, 2] tensor");
-  const int64_t n = qs.size(0), nblocks = qs.size(1);
-  check_x(x, nblocks * kBlock);
-  const uint8_t* q = qs.data_ptr<uint8_t>();
-  const float* s = dm.data_ptr<float>();
-  return run(x, n, nblocks, [=](int64_t row) {
-    const uint8_t* rq = q + row * nblocks * 16;
-    const float* rs = s + row * nblocks * 2;
-    return [=](int64_t b, __m256 w[4]) { q4_1_block(rq + b * 16, rs[2 * b], rs[2 * b + 1], w); };
-  });
+  const int64_t n = qs.size(0), k = qs.size(1) * kBlock;
+  check_x(x, k);
+  auto out = torch::empty({x.size(0), n}, x.options());
+  quant_matmul(QuantFormat::Q4_1, x.data_ptr<float>(), x.size(0), k, qs.data_ptr<uint8_t>(), dm.data_ptr<float>(),
+               n, out.data_ptr<float>());
+  return out;
 }
 
 torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
@@ -143,20 +152,19 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
               "qs must be a contiguous int8 [N, K/32, 32] tensor");
   TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat32 && d.is_contiguous(),
               "d must be a contiguous float32 [N, K/32] tensor");
-  const int64_t n = qs.size(0), nblocks = qs.size(1);
-  check_x(x, nblocks * kBlock);
-  const int8_t* q = qs.data_ptr<int8_t>();
-  const float* s = d.data_ptr<float>();
-  return run(x, n, nblocks, [=](int64_t row) {
-    const int8_t* rq = q + row * nblocks * 32;
-    const float* rs = s + row * nblocks;
-    return [=](int64_t b, __m256 w[4]) { q8_0_block(rq + b * 32, rs[b], w); };
-  });
+  const int64_t n = qs.size(0), k = qs.size(1) * kBlock;
+  check_x(x, k);
+  auto out = torch::empty({x.size(0), n}, x.options());
+  quant_matmul(QuantFormat::Q8_0, x.data_ptr<float>(), x.size(0), k, qs.data_ptr<int8_t>(), d.data_ptr<float>(),
+               n, out.data_ptr<float>());
+  return out;
 }
 
 }  // namespace
+}  // namespace sluice
 
 void register_quant_linear(pybind11::module& m) {
+  using namespace sluice;
   m.def("q4_1_linear", &q4_1_linear, "x [M, K] fp32 @ Q4_1 weight [N, K]^T -> [M, N] fp32");
   m.def("q8_0_linear", &q8_0_linear, "x [M, K] fp32 @ Q8_0 weight [N, K]^T -> [M, N] fp32");
 }

@@ -16,6 +16,7 @@ weights instead (model/quant.py) where the loader kept them.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +24,17 @@ from torch import nn
 
 from engine_native.config import ModelConfig
 from engine_native.forward_batch import ForwardBatch, KVCache
+from engine_native.kernels import cpu_kernels
 from engine_native.model.attention import AttentionPlan, paged_attention, write_kv
 from engine_native.model.base import ModelLoadError
-from engine_native.model.quant import QuantWeight, concat, kernels_available, quant_linear
+from engine_native.model.quant import (
+    Q41Weight,
+    Q80Weight,
+    QuantWeight,
+    concat,
+    kernels_available,
+    quant_linear,
+)
 from engine_native.model.rope import RotaryTable, apply_rotary
 
 
@@ -143,6 +152,8 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_available = blocks.get("model.embed_tokens.weight" if tied else "lm_head.weight")
         self.lm_head_quantized: QuantWeight | None = None
         self.quantized_max_rows = 0
+        self._fused: Any | None = None  # kernels.FusedDecoder, built at the first step that can use it
+        self._fused_key: int | None = None
         self.rope = RotaryTable(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
         )
@@ -155,8 +166,53 @@ class LlamaForCausalLM(nn.Module):
             max_rows = 0
         self.quantized_max_rows = max_rows
         self.lm_head_quantized = self._lm_head_available if max_rows else None
+        self._fused, self._fused_key = None, None
         layers = sum(layer.enable_quantized(max_rows) for layer in self.layers)  # type: ignore[operator]
         return layers + (self.lm_head_quantized is not None)
+
+    def _fused_for(self, batch: ForwardBatch, kv_cache: KVCache) -> Any | None:
+        """The whole-step C++ decoder (kernels/fused_decode.cpp) when this step can use it: every
+        sequence computes one token and samples it, within `quantized_max_rows`, fp32 with every
+        weight in blocks. Built once per KV cache."""
+        if (
+            self.lm_head_quantized is None
+            or batch.num_tokens > self.quantized_max_rows
+            or not batch.is_pure_decode
+            or int(batch.logits_indices.shape[0]) != batch.num_tokens
+            or not self.use_decode_kernel(kv_cache)
+        ):
+            return None
+        key = id(kv_cache.k[0])
+        if self._fused_key != key:
+            self._fused = self._build_fused(kv_cache)
+            self._fused_key = key
+        return self._fused
+
+    def _build_fused(self, kv_cache: KVCache) -> Any | None:
+        kernels = cpu_kernels()
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        mats = [layer.quantized.get(n) for layer in layers for n in names] + [self.lm_head_quantized]
+        if kernels is None or any(m is None for m in mats):
+            return None
+        formats, qs, scales = [], [], []
+        for m in mats:
+            if isinstance(m, Q41Weight):
+                formats.append(0)
+                qs.append(m.qs)
+                scales.append(m.dm)
+            elif isinstance(m, Q80Weight):
+                formats.append(1)
+                qs.append(m.qs)
+                scales.append(m.d)
+        cfg = self.config
+        biases = [layer.qkv_bias.data for layer in layers if layer.qkv_bias is not None]
+        norms = [t for layer in layers for t in (layer.input_norm.data, layer.post_norm.data)]
+        return kernels.FusedDecoder(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
+            formats, qs, scales, biases, norms, self.final_norm.data, kv_cache.k, kv_cache.v,
+            self.rope.cos, self.rope.sin,
+        )
 
     def use_decode_kernel(self, kv_cache: KVCache) -> bool:
         """Whether decodes attend through Sluice's C++ kernel: it reads an fp32 cache."""
@@ -178,6 +234,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:  # type: ignore[override]
         if int(batch.positions.max()) >= self.rope.max_positions:
             raise ValueError(f"position beyond max_position_embeddings={self.rope.max_positions}")
+        fused = self._fused_for(batch, kv_cache)
+        if fused is not None:
+            x = F.embedding(batch.input_ids, self.embed).float()
+            context_lens = torch.tensor(batch.context_lens, dtype=torch.int64)
+            logits: torch.Tensor = fused.forward(x, batch.positions, batch.slot_mapping, batch.block_tables,
+                                                 context_lens)
+            return logits
         plan = AttentionPlan.from_batch(batch, decode_kernel=self.use_decode_kernel(kv_cache))
         cos, sin = self.rope.lookup(batch.positions)
         x = F.embedding(batch.input_ids, self.embed).float()

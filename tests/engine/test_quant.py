@@ -108,3 +108,33 @@ def test_greedy_answers_are_the_same_on_both_paths_alone_and_in_a_batch_of_8() -
     assert batch == alone
     tok = quantized.tokenizer
     assert tok is not None and "Paris" in tok.decode(alone[0])
+
+
+def test_the_fused_decode_step_gives_the_layer_by_layer_logits() -> None:
+    """kernels/fused_decode.cpp runs a pure-decode step in one call; its logits equal the PyTorch
+    path's (dense weights) up to the order of additions, and it writes the same K/V."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_model_support import PagedSequences
+
+    from engine_native.model.loader import load_model
+
+    loaded = load_model(bundled_model_path(), dtype=torch.float32, progress=False)
+    model = loaded.model
+    model.enable_quantized(8)
+    seqs = PagedSequences(loaded.config, num_blocks=64, block_size=16, dtype=torch.float32, seed=3)
+    prompts = [list(range(100, 137)), list(range(2000, 2021)), [5, 6, 7]]
+    model.forward(seqs.step([(i, p) for i, p in enumerate(prompts)], last_only=True), seqs.cache)
+    decode = seqs.step([(i, [300 + i]) for i in range(len(prompts))])
+    assert model._fused_for(decode, seqs.cache) is not None  # this step takes the fused path
+    fused = model.forward(decode, seqs.cache)
+    k_fused = [k.clone() for k in seqs.cache.k]
+    model.enable_quantized(0)  # the layer-by-layer PyTorch path, dense weights, same step again
+    assert model._fused_for(decode, seqs.cache) is None
+    layered = model.forward(decode, seqs.cache)
+    torch.testing.assert_close(fused, layered, atol=2e-3, rtol=1e-4)
+    assert torch.equal(fused.argmax(-1), layered.argmax(-1))
+    for a, b in zip(k_fused, seqs.cache.k, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

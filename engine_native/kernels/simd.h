@@ -1,0 +1,78 @@
+// Small AVX2 helpers shared by Sluice's kernels, and the raw-pointer entry points one kernel file offers
+// another (the fused decode step calls the quantized matmuls and the paged attention directly).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace sluice {
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative
+// error < 2e-7 there), times 2^n through the exponent bits. x is clamped to [-87, 88]: below, the result
+// is 0 (e^x is under the smallest normal float); above, it saturates near FLT_MAX.
+inline __m256 exp_ps(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, with ln2 split in two so that n * ln2_hi is exact.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // 2^n, split in two factors so that n = 128 (x near 88) does not overflow the exponent field.
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+  const __m256 b = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(_mm256_mul_ps(p, a), b));
+}
+
+// Dot product of two fp32 vectors of length d (a multiple of 8).
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+// out += p * v over length d (a multiple of 8).
+inline void axpy(float p, const float* v, float* out, int64_t d) {
+  const __m256 vp = _mm256_set1_ps(p);
+  for (int64_t i = 0; i < d; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+}
+
+// Weight formats the quantized matmuls read (see quant_linear.cpp for the layouts).
+enum class QuantFormat : int64_t { Q4_1 = 0, Q8_0 = 1 };
+
+// out [m, n] = x [m, k] @ W^T, W [n, k] in `format`; rows of W split across ATen's threads.
+void quant_matmul(QuantFormat format, const float* x, int64_t m, int64_t k, const void* qs, const float* scales,
+                  int64_t n, float* out);
+
+// Attention of one query token per sequence over the paged fp32 cache (see paged_attention.cpp).
+void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* k_cache, const float* v_cache,
+                  int64_t num_blocks, int64_t block_size, int64_t hkv, const int64_t* tables, int64_t max_blocks,
+                  const int64_t* lens, float scale, float* out);
+
+}  // namespace sluice
