@@ -336,6 +336,14 @@ def test_weight_is_set_shown_and_patched(client: TestClient[Any]) -> None:
     assert (weight["minimum"], weight["maximum"], weight["default"]) == (0.001, 1000.0, 1.0)
 
 
+def test_the_tenants_weight_reaches_the_engine_request(client: TestClient[Any], driver: RecordingDriver) -> None:
+    """The weight travels with every request of the tenant to the driver, and from there to the
+    scheduler's fair share (tests/engine/test_scheduler_fair_share.py)."""
+    _, headers = make_tenant(client, weight=2.5)
+    assert client.post("/v1/chat/completions", json={**CHAT, "n": 2}, headers=headers).status_code == 200
+    assert [r.tenant_weight for r in driver.seen] == [2.5, 2.5]
+
+
 # -- input bounds: what a bounded schema fuzz of the admin API turned into 500s -----------------------
 
 DEEP = '{"name": "deep", "z": ' + "[" * 1000 + "]" * 1000 + "}"
