@@ -21,7 +21,8 @@ from typing import TypeVar
 
 import httpx
 import pytest
-from gateway.server_process import ServerProcess
+
+from benchmarks.server_process import ServerProcess
 
 ADMIN = "drain-admin-key"
 HANG_S = 240.0
