@@ -106,6 +106,10 @@ class ModelCard(msgspec.Struct, frozen=True):
     max_model_len: int
     owned_by: str = "sluice"
     created: int = 0
+    # The most tokens (prompt + completion) one request can hold in the engine's KV pool when that is
+    # less than max_model_len; None: max_model_len. A request beyond it could never run (it must fit
+    # the pool alone), so the gateway refuses it up front (400) rather than queueing it.
+    max_request_tokens: int | None = None
 
 
 class DriverHealth(msgspec.Struct, frozen=True):

@@ -125,6 +125,7 @@ class NativeDriver(Driver):
         self.tokenizer: Tokenizer | None = None
         self.ready = False  # True once every engine has loaded its model, until stop()
         self.max_model_len = 0
+        self.max_request_tokens = 0  # tokens the smallest engine's KV pool holds
 
     @classmethod
     def from_options(cls, options: EngineOptions) -> NativeDriver:
@@ -140,6 +141,7 @@ class NativeDriver(Driver):
         ]
         infos = await asyncio.gather(*(e.start() for e in self.engines))
         self.max_model_len = min(i.max_model_len for i in infos)
+        self.max_request_tokens = min(i.kv_blocks_total * i.block_size for i in infos)
         self.router = NodeRouter(self.engines, config.node_health, config.fault_step_delay)
         await self.router.start()
         self.supervisor = EngineSupervisor(self.engines, config.restart, listener=self.router)
@@ -162,7 +164,8 @@ class NativeDriver(Driver):
     # ----- the seam --------------------------------------------------------------------
 
     def models(self) -> list[ModelCard]:
-        return [ModelCard(id=self.served_model_name, max_model_len=self.max_model_len)]
+        pool = self.max_request_tokens if 0 < self.max_request_tokens < self.max_model_len else None
+        return [ModelCard(id=self.served_model_name, max_model_len=self.max_model_len, max_request_tokens=pool)]
 
     def _check_model(self, request: GenerationRequest) -> None:
         if request.model != self.served_model_name:

@@ -234,12 +234,13 @@ class LoadShedder:
             )
         share = self.policy.share(priority)
         retry = est.wait_s if est.wait_s else 1.0
-        if health.max_waiting and est.waiting + 1 > share * health.max_waiting:
+        # Rounded: in a queue of 2, a 0.9 share is both places, not one.
+        if health.max_waiting and est.waiting + 1 > round(share * health.max_waiting):
             self._refuse(
                 priority,
                 ShedReason.QUEUE_SHARE,
                 f"The waiting queue is full for priority {priority} ({est.waiting} of "
-                f"{share * health.max_waiting:.0f} requests)",
+                f"{round(share * health.max_waiting)} requests)",
                 retry,
             )
         if (

@@ -180,15 +180,26 @@ def _completion_budget(
                 f"Please reduce the length of the {prompt_name}.",
                 prompt_name,
             )
-        return min(room, default_cap)
-    if max_tokens > room:
+        budget = min(room, default_cap)
+        if card.max_request_tokens is not None:  # the default shrinks to what the KV pool can hold
+            budget = min(budget, max(1, card.max_request_tokens - prompt_tokens))
+    elif max_tokens > room:
         raise InvalidRequestError(
             f"This model's maximum context length is {card.max_model_len} tokens. However, you requested "
             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {prompt_name}, {max_tokens} in the "
             f"completion). Please reduce the length of the {prompt_name} or completion.",
             "max_tokens",
         )
-    return max_tokens
+    else:
+        budget = max_tokens
+    if card.max_request_tokens is not None and prompt_tokens + budget > card.max_request_tokens:
+        raise InvalidRequestError(
+            f"This server's KV cache holds {card.max_request_tokens} tokens per request. However, you "
+            f"requested {prompt_tokens + budget} tokens ({prompt_tokens} in the {prompt_name}, {budget} in the "
+            f"completion). Please reduce the length of the {prompt_name} or completion.",
+            "max_tokens" if max_tokens is not None else prompt_name,
+        )
+    return budget
 
 
 def _split_prompt(prompt: str | list[str | int | list[int]]) -> list[str | list[int]]:

@@ -18,7 +18,7 @@ from edge_server import HANG_S, METRICS_TOKEN, EdgeServer, admin_headers
 from gateway_server import Server, start_server
 from litestar.testing import TestClient
 
-from drivers.registry import create_driver
+from drivers.synthetic import SyntheticDriver
 from gateway.app import create_app
 from gateway.settings import Settings
 from observability.metrics import TenantLabel, TenantLabels
@@ -229,13 +229,13 @@ def test_metrics_label_tenants_by_name_when_so_configured(edge: EdgeServer) -> N
 
 def test_a_no_auth_server_with_a_metrics_token_still_needs_it() -> None:
     app = create_app(
-        Settings(auth=False, metrics_token="t0k"), create_driver("synthetic", model_name="synthetic")
+        Settings(auth=False, metrics_token="t0k"), SyntheticDriver(model_name="synthetic")
     )
     with TestClient(app) as client:
         assert client.get("/metrics").status_code == 401
         assert client.get("/metrics", headers={"authorization": "Bearer t0k"}).status_code == 200
     # Without a token it stays open: no tenants to tell apart, and completions are open to all anyway.
-    app = create_app(Settings(auth=False), create_driver("synthetic", model_name="synthetic"))
+    app = create_app(Settings(auth=False), SyntheticDriver(model_name="synthetic"))
     with TestClient(app) as client:
         assert client.get("/metrics").status_code == 200
 

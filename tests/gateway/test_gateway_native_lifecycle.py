@@ -13,12 +13,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from litestar.testing import TestClient
 
-from drivers.native import NativeDriver
+from drivers.native import NativeDriver, NativeDriverConfig
 from engine_native.model.base import Tokenizer
 from gateway.app import create_app
 from gateway.settings import Settings
@@ -81,10 +82,15 @@ class Native:
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Native]:
-    driver = NativeDriver(
-        max_model_len=MAX_MODEL_LEN, num_kv_blocks=KV_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=4,
-        num_threads=1, progress=False,
-    )
+    engine = NativeDriverConfig().engine
+    driver = NativeDriver(NativeDriverConfig(
+        engine=replace(
+            engine, max_model_len=MAX_MODEL_LEN, num_threads=1,
+            cache=replace(engine.cache, num_blocks=KV_BLOCKS, block_size=BLOCK_SIZE),
+            scheduler=replace(engine.scheduler, max_num_seqs=4),
+        ),
+        progress=False,
+    ))
     settings = Settings(
         data_dir=str(tmp_path_factory.mktemp("native-lifecycle")), admin_key=ADMIN["authorization"].split()[1],
         usage_flush_interval_s=0.02, max_body_bytes=4 << 20,
@@ -186,7 +192,7 @@ def test_preempted_and_recomputed_requests_are_charged_once(native: Native) -> N
 
 def test_a_request_the_engine_refuses_is_not_charged(native: Native) -> None:
     _, headers = native.tenant(tokens_per_minute=10_000)
-    # Fits the context, not the 256-token KV cache: the engine refuses it (400) after admission.
+    # Fits the context, not the 256-token KV cache: refused (400) before it is queued, since it could never run.
     body = {"prompt": "story " * 2000, "max_tokens": 1}
     refused = native.client.post("/v1/completions", json=body, headers=headers)
     assert refused.status_code == 400, refused.text

@@ -83,8 +83,9 @@ def test_a_refusal_says_how_long_the_work_ahead_of_it_takes(slow_engine: Server)
             return float(resp.headers["retry-after"])
 
         tier0, tier2 = refused(0), refused(2)
-        assert 1 <= tier0 < tier2
-        assert tier2 == retry_after.MAX_S  # ~1,200 tokens at <= 21 tokens/s, bounded
+        # ~1,200 tokens of work ahead of tier 2 against ~22 ahead of tier 0, at the same throughput: how
+        # many seconds that is depends on this machine, the order and the bounds do not.
+        assert 1 <= tier0 < tier2 <= retry_after.MAX_S
     finally:
         for s in [running, *waiting]:
             s.stop.set()

@@ -73,7 +73,8 @@ def test_metrics_count_requests_and_tokens_and_traces_continue_the_callers(trace
     assert _total(m, "sluice_tenant_tokens_total", token_type="output") == sum(completion)
     # labels: node, priority tier and prompt-length bucket
     ttft_labels = [labels for labels, _ in m["gen_ai_server_time_to_first_token_seconds_count"]]
-    assert {(x["node"], x["priority"], x["prompt_bucket"]) for x in ttft_labels} == {("synthetic", "0", "<=128")}
+    # No auth: every request is the standard tier (1).
+    assert {(x["node"], x["priority"], x["prompt_bucket"]) for x in ttft_labels} == {("synthetic", "1", "<=128")}
     assert _total(m, "sluice_node_up", node="synthetic") == 1
     # the pre-existing gateway metrics still count
     assert _total(m, "sluice_completion_tokens_total", **model) == sum(completion)
