@@ -122,7 +122,8 @@ REFUSALS: dict[str, tuple[dict[str, Any], dict[str, Any], State, int]] = {
     "queue full": ({"max_num_seqs": 1, "max_waiting": 0}, {"load_shedding": False}, queue_full, 503),
     "engine not running": ({}, {"load_shedding": False}, engine_stopped, 503),
     "timed out before the first token": ({"ttft_s": 30.0}, {"stream_timeout_s": 0.5}, nothing, 504),
-    "shed": ({"max_num_seqs": 1, "max_waiting": 1}, {}, nothing, 503),  # tier 1 may fill 90% of 1 slot
+    # Tier 1 may fill 40% of a 1-place queue: none of it (shares are rounded).
+    "shed": ({"max_num_seqs": 1, "max_waiting": 1}, {"queue_share": (1.0, 0.4, 0.4)}, nothing, 503),
 }
 
 
