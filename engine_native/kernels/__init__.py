@@ -10,16 +10,24 @@ What each function computes is written at the top of its source file:
 
 The build goes through torch.utils.cpp_extension (ninja, the host's g++) into
 ~/.cache/sluice/kernels/<key>, where the key covers the source, torch's version and this CPU's
-flags, so a copied cache never runs code built for another CPU. It takes ~30-60 s once per host;
-a file lock keeps concurrent engine processes from building it twice.
+flags, so a copied cache never runs code built for another CPU. It takes ~30-60 s once per host.
+
+Concurrent engine processes build it once: they queue on an flock of build.flock, which the kernel
+drops when its holder dies. torch's own `lock` file is not enough: a build killed mid-way leaves it
+behind and every later build waits on it forever (a CI run hung on exactly that), so the holder of
+the flock removes a leftover one before building.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -69,6 +77,29 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+_BUILD_WAIT_S = 600.0  # another process's build this long: give up on it, serve with PyTorch paths
+
+
+@contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    with open(build_dir / "build.flock", "w") as lock_file:
+        deadline = time.monotonic() + _BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building {build_dir} for {_BUILD_WAIT_S:.0f} s")
+                time.sleep(0.5)
+        try:
+            # We hold the flock, so no live process is building here: a torch `lock` is a dead one's.
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     if os.environ.get("SLUICE_KERNELS", "1").lower() in ("0", "false", "off", "no"):
@@ -80,14 +111,16 @@ def cpu_kernels() -> ModuleType | None:
 
     _put_ninja_on_path()
     try:
-        return cpp_extension.load(
-            name="sluice_cpu_kernels",
-            sources=[str(s) for s in _SOURCES],
-            build_directory=str(_build_dir()),
-            extra_cflags=["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG", f"-I{_HERE}"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        build_dir = _build_dir()
+        with _build_lock(build_dir):
+            return cpp_extension.load(
+                name="sluice_cpu_kernels",
+                sources=[str(s) for s in _SOURCES],
+                build_directory=str(build_dir),
+                extra_cflags=["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG", f"-I{_HERE}"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja: serve with PyTorch paths
         log.warning("building Sluice's CPU kernels failed, using PyTorch paths only: %s", exc)
         return None

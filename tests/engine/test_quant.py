@@ -3,6 +3,12 @@ model's greedy answers do not depend on which path a step took."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +32,22 @@ from engine_native.sampling_params import SamplingParams
 
 def test_the_kernels_build_on_this_host() -> None:
     assert kernels_available()  # CI hosts have AVX2 and g++: the fast path must not silently vanish
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path: Path) -> None:
+    """A build killed mid-way leaves torch's `lock` file in the cache; torch alone then waits on it
+    forever (a CI run hung on this). Copy the built cache, leave such a file, load again."""
+    import engine_native.kernels as kernels
+
+    built = kernels._build_dir()
+    cache = tmp_path / "kernels"
+    shutil.copytree(built, cache / built.name)  # same key: the copy is up to date, nothing recompiles
+    (cache / built.name / "lock").write_text("")
+    env = {**os.environ, "SLUICE_KERNEL_CACHE": str(cache)}
+    probe = "from engine_native.kernels import cpu_kernels; print(cpu_kernels() is not None)"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip() == "True", done.stderr
+    assert not (cache / built.name / "lock").exists()
 
 
 @pytest.fixture(scope="module")
