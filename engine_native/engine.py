@@ -66,7 +66,14 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
-        kv_dtype = parse_dtype(config.kv_dtype) if config.kv_dtype else self.loaded.dtype
+        num_quantized = self.loaded.model.enable_quantized(config.quantized_max_rows)
+        if num_quantized:
+            log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices",
+                     config.quantized_max_rows, num_quantized)
+        # The quantized steps (and the fused decoder among them) attend over an fp32 cache; with bf16
+        # weights that doubles the KV bytes of this small-head model and keeps those steps exact.
+        default_kv_dtype = torch.float32 if num_quantized else self.loaded.dtype
+        kv_dtype = parse_dtype(config.kv_dtype) if config.kv_dtype else default_kv_dtype
         block_size = config.cache.block_size
         num_blocks = num_kv_blocks(config, model_cfg, kv_dtype, self.max_model_len)
         kv = KVCache.allocate(
@@ -81,10 +88,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, kv, block_size)
         self.model_name = config.served_model_name or model_cfg.name
-        num_quantized = self.loaded.model.enable_quantized(config.quantized_max_rows)
-        if num_quantized:
-            log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices",
-                     config.quantized_max_rows, num_quantized)
         self._tracked: dict[str, _Tracked] = {}
         self._eos = frozenset(self.tokenizer.eos_token_ids) if self.tokenizer else frozenset()
         self.steps = 0

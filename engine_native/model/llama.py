@@ -4,13 +4,17 @@ Weights arrive under Hugging Face names (`model.layers.N.self_attn.q_proj.weight
 from either loader and are re-laid out for CPU speed: q/k/v become one matrix and
 gate/up another, so a layer is four GEMMs. Qwen2 differs only by a bias on q/k/v.
 
-The residual stream stays float32 whatever the weights' dtype: with bf16 weights only
-the GEMM inputs are rounded to bf16. SmolLM2 carries activations of ~25,000 in a few
-channels, where bf16's spacing is 128, so a bf16 residual drops every smaller update
-there; an fp32 one costs a few kilobytes per token.
+Activations stay float32 whatever the weights' dtype: with bf16 weights only the inputs
+of the dense GEMMs are rounded to bf16, and their outputs come back as fp32. SmolLM2
+carries activations of ~25,000 in a few channels, where bf16's spacing is 128, so a bf16
+residual drops every smaller update there; an fp32 one costs a few kilobytes per token.
 
 Steps of at most `quantized_max_rows` tokens multiply by the GGUF blocks of the
-weights instead (model/quant.py) where the loader kept them.
+weights instead (model/quant.py) where the loader kept them, in fp32, whatever `dtype`
+the dense weights have: so a host with native bf16 runs big steps as bf16 GEMMs (twice
+the fp32 rate there) and small, weight-bandwidth-bound ones through the blocks, and a
+pure-decode step of up to `quantized_max_rows` sequences computes the same fp32 values
+whether a sequence is alone or in a batch.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ class DecoderLayer(nn.Module):
         blocks = self.quantized.get(name)
         if blocks is not None and x.shape[0] <= self.quantized_max_rows:
             return quant_linear(x, blocks, bias)
-        return F.linear(x, getattr(self, name), bias)
+        return F.linear(x.to(self.dtype), getattr(self, name), bias).float()
 
     def forward(
         self,
@@ -114,7 +118,7 @@ class DecoderLayer(nn.Module):
         """x: the float32 residual stream [T, hidden]."""
         cfg = self.config
         t = x.shape[0]
-        h = F.rms_norm(x, (x.shape[-1],), self.input_norm, cfg.rms_norm_eps).to(self.dtype)
+        h = F.rms_norm(x, (x.shape[-1],), self.input_norm, cfg.rms_norm_eps)
         qkv = self._linear(h, "qkv_weight", self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
@@ -122,7 +126,7 @@ class DecoderLayer(nn.Module):
         write_kv(k_cache, v_cache, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), slots)
         attn = paged_attention(q, k_cache, v_cache, plan)
         x = x + self._linear(attn.reshape(t, self.q_size), "o_weight")
-        h = F.rms_norm(x, (x.shape[-1],), self.post_norm, cfg.rms_norm_eps).to(self.dtype)
+        h = F.rms_norm(x, (x.shape[-1],), self.post_norm, cfg.rms_norm_eps)
         gate, up = self._linear(h, "gate_up_weight").chunk(2, dim=-1)
         return x + self._linear(F.silu(gate) * up, "down_weight")
 
@@ -154,8 +158,8 @@ class LlamaForCausalLM(nn.Module):
         self.quantized_max_rows = 0
         self._fused: Any | None = None  # kernels.FusedDecoder, built at the first step that can use it
         self._fused_key: int | None = None
-        self.rope = RotaryTable(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
+        self.rope = RotaryTable(  # fp32 like every activation (and the fused decoder reads it)
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, torch.float32
         )
         self._check_shapes()
 
@@ -172,8 +176,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_for(self, batch: ForwardBatch, kv_cache: KVCache) -> Any | None:
         """The whole-step C++ decoder (kernels/fused_decode.cpp) when this step can use it: every
-        sequence computes one token and samples it, within `quantized_max_rows`, fp32 with every
-        weight in blocks. Built once per KV cache."""
+        sequence computes one token and samples it, within `quantized_max_rows`, an fp32 KV cache,
+        every weight in blocks. Built once per KV cache."""
         if (
             self.lm_head_quantized is None
             or batch.num_tokens > self.quantized_max_rows
@@ -206,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
                 qs.append(m.qs)
                 scales.append(m.d)
         cfg = self.config
-        biases = [layer.qkv_bias.data for layer in layers if layer.qkv_bias is not None]
+        biases = [layer.qkv_bias.data.float() for layer in layers if layer.qkv_bias is not None]
         norms = [t for layer in layers for t in (layer.input_norm.data, layer.post_norm.data)]
         return kernels.FusedDecoder(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
@@ -216,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_decode_kernel(self, kv_cache: KVCache) -> bool:
         """Whether decodes attend through Sluice's C++ kernel: it reads an fp32 cache."""
-        return self.dtype == torch.float32 and kv_cache.k[0].dtype == torch.float32 and kernels_available()
+        return kv_cache.k[0].dtype == torch.float32 and kernels_available()
 
     def _check_shapes(self) -> None:
         cfg = self.config

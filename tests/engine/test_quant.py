@@ -92,9 +92,9 @@ def test_bias_and_bf16_inputs() -> None:
     torch.testing.assert_close(y.float(), (x.float() @ dequantize(w).t() + bias), atol=0.02, rtol=0.01)
 
 
-def _engine(quantized_max_rows: int) -> LLMEngine:
+def _engine(quantized_max_rows: int, dtype: str = "auto") -> LLMEngine:
     return LLMEngine(
-        EngineConfig(model_path=bundled_model_path(), quantized_max_rows=quantized_max_rows,
+        EngineConfig(model_path=bundled_model_path(), quantized_max_rows=quantized_max_rows, dtype=dtype,
                      cache=CacheConfig(num_blocks=256, enable_prefix_caching=False)),
         progress=False,
     )
@@ -118,17 +118,29 @@ QUESTIONS = [
 ]
 
 
-def test_greedy_answers_are_the_same_on_both_paths_alone_and_in_a_batch_of_8() -> None:
+def test_greedy_answers_are_the_same_on_both_paths_in_fp32() -> None:
+    """In fp32 the blocks and the dense weights hold the same values: only the order of additions
+    differs, and no greedy answer changes with the path."""
     greedy = SamplingParams(max_tokens=16, temperature=0)
-    quantized = _engine(8)
-    dense = _engine(0)
+    quantized = _engine(8, "float32")
+    dense = _engine(0, "float32")
     assert quantized.loaded.model.enable_quantized(8) == 4 * 30 + 1  # every layer matrix and the lm_head
     prompts = [_chat(quantized, q) for q in QUESTIONS]
     alone = [quantized.generate([p], greedy)[0] for p in prompts]  # steps of 1 token: the blocks
-    batch = quantized.generate(prompts, greedy)  # the first steps are prefills: dense GEMMs
     assert [dense.generate([p], greedy)[0] for p in prompts] == alone
-    assert batch == alone
-    tok = quantized.tokenizer
+
+
+def test_default_greedy_answers_are_the_same_alone_and_in_a_batch_of_8() -> None:
+    """The default configuration (bf16 dense weights where the CPU has native bf16): prefills run
+    as dense GEMMs, decodes of up to `quantized_max_rows` sequences through the fp32 blocks, so
+    a request's greedy tokens do not depend on whether 7 others share its steps."""
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    engine = _engine(EngineConfig.__dataclass_fields__["quantized_max_rows"].default)
+    prompts = [_chat(engine, q) for q in QUESTIONS]
+    assert len(prompts) == 8
+    alone = [engine.generate([p], greedy)[0] for p in prompts]
+    assert engine.generate(prompts, greedy) == alone
+    tok = engine.tokenizer
     assert tok is not None and "Paris" in tok.decode(alone[0])
 
 
