@@ -58,6 +58,8 @@ def tenant(server: Server) -> dict[str, Any]:
 
 def open_console(browser: Any, server: Server) -> tuple[Any, Any, list[str]]:
     context = browser.new_context(viewport={"width": 1280, "height": 900}, service_workers="block")
+    # Waits only catch hangs: a loaded 2-core CI host can take tens of seconds to render.
+    context.set_default_timeout(120_000)
     page = context.new_page()
     seen: list[str] = []  # console lines and request URLs: a key must never show up in either
     page.on("console", lambda m: seen.append(m.text))
@@ -201,7 +203,7 @@ def test_admin_manages_keys_and_sees_nodes_and_models(
         # Issue a key in the UI: its secret is shown once and works against the API.
         page.fill("form[data-form=issue-key] input[name=key-name]", "from-console")
         page.click("form[data-form=issue-key] button[type=submit]")
-        secret = page.text_content("[data-notice=new-key] code", timeout=10_000)
+        secret = page.text_content("[data-notice=new-key] code", timeout=120_000)
         assert secret and chat(server, secret).status_code == 200
 
         page.click("[data-tab=nodes]")
@@ -311,7 +313,7 @@ def test_nodes_show_their_status_and_an_outage_shows_as_unavailable(
         page.screenshot(path=str(artifacts / "console-admin-nodes-sluggish.png"), full_page=True)
 
         failing["on"] = True  # the next 5 s refresh finds the endpoint down
-        page.wait_for_selector("[data-state=nodes-unavailable]", timeout=15_000)
+        page.wait_for_selector("[data-state=nodes-unavailable]", timeout=120_000)
         assert "driver unavailable" in page.text_content("[data-state=nodes-unavailable]")
         assert page.locator("[data-tab=tenants]").is_visible()  # the rest of the console still works
     finally:
