@@ -208,6 +208,11 @@ def month_start(now: dt.datetime) -> dt.datetime:
     return now.astimezone(dt.UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
 
 
+def report_window(start: dt.datetime | None, end: dt.datetime | None) -> tuple[dt.datetime, dt.datetime]:
+    """[start, end) of a report (usage, latency, billing), in UTC: see _window."""
+    return _window(start, end)
+
+
 def _window(start: dt.datetime | None, end: dt.datetime | None) -> tuple[dt.datetime, dt.datetime]:
     """[start, end) of a report, in UTC; defaults: the current calendar month (UTC) up to now.
     A bare date/time is read as UTC, like the rest of the API."""
