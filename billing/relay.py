@@ -110,6 +110,7 @@ class BillingRelay:
         async with self.sessions.begin() as session:
             closed_before = now - dt.timedelta(seconds=cfg.window_s + cfg.settle_s)
             sealed = await BillingRepository(session).seal(cfg.meters, closed_before)
+        now = self.clock()  # after the seal: the events it just made are due
         async with self.sessions.begin() as session:
             lease = now + dt.timedelta(seconds=cfg.lease_s)
             claimed = await BillingRepository(session).claim(self.relay_id, now, lease, cfg.batch_size)

@@ -1,8 +1,8 @@
 """Queries over the billing tables, bound to a session the caller owns.
 
-Claiming is one statement on both backends: `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED)
-RETURNING ...`. On PostgreSQL two relays thus never claim the same event and never wait on each other;
-SQLite (which renders no FOR UPDATE) runs the statement under its single write lock, which is as good.
+Claiming on PostgreSQL locks due events with `SELECT ... FOR UPDATE SKIP LOCKED`, then leases them with an
+UPDATE in the same transaction: two relays never claim the same event and never wait on each other.
+SQLite (no FOR UPDATE) leases them in one `UPDATE ... WHERE id IN (SELECT ...)` under its single write lock.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import datetime as dt
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -129,14 +130,16 @@ class BillingRepository:
         self, relay_id: str, now: dt.datetime, lease_until: dt.datetime, limit: int
     ) -> list[ClaimedEvent]:
         due = self._due(now)
-        ids = (
-            select(BillingEvent.id)
-            .where(due)
-            .order_by(BillingEvent.next_attempt_at, BillingEvent.id)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-            .scalar_subquery()
-        )
+        pick = select(BillingEvent.id).where(due).order_by(BillingEvent.next_attempt_at, BillingEvent.id)
+        ids: Any
+        if self.session.get_bind().dialect.name == "postgresql":
+            # Locked first, in a statement of its own: inside `UPDATE ... WHERE id IN (subquery)` PostgreSQL
+            # may run a LIMITed SKIP LOCKED subquery more than once and claim more than `limit` rows.
+            ids = list((await self.session.execute(pick.limit(limit).with_for_update(skip_locked=True))).scalars())
+            if not ids:
+                return []
+        else:  # SQLite: one statement under the database's single write lock
+            ids = pick.limit(limit).scalar_subquery()
         statement = (
             update(BillingEvent)
             .where(BillingEvent.id.in_(ids), due)
@@ -165,7 +168,7 @@ class BillingRepository:
             claimed.append(
                 ClaimedEvent(
                     row.id, row.identifier, key, row.event_name, row.stripe_customer_id,
-                    _aware(row.window_start), row.value, row.attempts, _aware(row.first_attempt_at),
+                    _utc(row.window_start), row.value, row.attempts, _utc(row.first_attempt_at),
                 )
             )
         return sorted(claimed, key=lambda e: e.id)
@@ -357,7 +360,13 @@ class BillingRepository:
         )
         return [(str(i), str(n), str(c)) for i, n, c in rows]
 
-def _aware(value: dt.datetime | None) -> dt.datetime | None:
+def _utc(value: dt.datetime | str) -> dt.datetime:
+    aware = _aware(value)
+    assert aware is not None
+    return aware
+
+
+def _aware(value: dt.datetime | str | None) -> dt.datetime | None:
     """Raw column reads (RETURNING, aggregates) bypass UTCDateTime on SQLite: naive there means UTC."""
     if value is None:
         return None
