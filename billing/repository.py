@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from billing.models import BillingEvent, BillingLine, EventKind, EventStatus
 from tenants.models import Tenant
 
+
 @dataclass(frozen=True, slots=True)
 class ClaimedEvent:
     """An event a relay holds until `lease_until`: what it needs to send it."""
@@ -84,7 +85,7 @@ class BillingRepository:
         )
         groups: dict[tuple[str, str, dt.datetime], list[tuple[int, int, str]]] = defaultdict(list)
         for line_id, tenant_id, meter, window, value, customer in await self.session.execute(query):
-            groups[(tenant_id, meter, window)].append((line_id, value, customer))
+            groups[(tenant_id, meter, window)].append((line_id, value, str(customer)))
         sealed: list[int] = []
         for (tenant_id, meter, window), lines in groups.items():
             ids = [line_id for line_id, _, _ in lines]

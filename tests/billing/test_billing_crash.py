@@ -66,7 +66,8 @@ def test_relay_killed_after_stripes_200_resends_once(db_url: str, stripe_standin
             "SLUICE_BILLING_LEASE_S": "2",
             "SLUICE_BILLING_TIMEOUT_S": "1.5",
         }
-        child = subprocess.Popen(
+        # A real process, so that the kill is a real SIGKILL; Popen returns at once.
+        child = subprocess.Popen(  # noqa: ASYNC220
             [sys.executable, "-m", "gateway.cli", "billing", "relay"], env=env, cwd=ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )

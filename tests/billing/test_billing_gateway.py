@@ -88,7 +88,7 @@ def test_linked_tenant_is_billed_by_the_gateways_relay(tmp_path: Path, stripe_st
                           "completion": int(app.total("sluice_completion_tokens", "cus_Acme42"))}
 
         # Stripe == ledger (read twice: the requests' own window may close and be sent in between).
-        sent, at_stripe = poll(sent_and_stripe, lambda x: x[0] == x[1], "Stripe to equal the ledger")
+        sent, _ = poll(sent_and_stripe, lambda x: x[0] == x[1], "Stripe to equal the ledger")
         # The backfill, plus the requests' own usage if their window closed meanwhile.
         assert sent["prompt"] - prompt in (0, used["prompt"])
         assert sent["completion"] - completion in (0, used["completion"])
