@@ -112,10 +112,14 @@ def test_billed_usage_and_relay_state_in_the_console(
         shown = float(page.get_attribute("[data-metric=events_sent]", "data-value"))
         assert shown >= state["events"]["sent"]["events"]
         assert page.text_content("[data-state=relay]") == "relay running here"
+        page.screenshot(path=str(artifacts / "console-admin-relay.png"), full_page=True)
         page.click("[data-tab=tenants]")
         page.click(f"tr[data-tenant-id='{tenant['id']}']")
         page.wait_for_selector("form[data-form=stripe-customer] input")
         assert page.input_value("form[data-form=stripe-customer] input") == "cus_Console1"
+        admin_sent = "[data-tenant-detail] [data-metric=billed_sent]"
+        page.wait_for_selector(admin_sent)
+        assert float(page.get_attribute(admin_sent, "data-value")) == sent
         page.screenshot(path=str(artifacts / "console-admin-billing.png"), full_page=True)
         assert not errors, errors
     finally:
