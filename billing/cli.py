@@ -60,7 +60,7 @@ async def _relay(database_url: str, once: bool) -> int:
             return 0
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, relay._stop.set)
+            loop.add_signal_handler(sig, relay.request_stop)
         print(f"billing relay {relay.relay_id} running", flush=True)
         await relay.run()
         return 0

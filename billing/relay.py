@@ -83,6 +83,10 @@ class BillingRelay:
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="billing-relay")
 
+    def request_stop(self) -> None:
+        """Finish the pass under way, then return from run() (a signal handler's job)."""
+        self._stop.set()
+
     async def stop(self) -> None:
         self._stop.set()
         if self._task is not None:

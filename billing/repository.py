@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from billing.models import BillingEvent, BillingLine, EventKind, EventStatus
@@ -63,6 +63,10 @@ class BillingRepository:
         """Seal unsealed lines of linked tenants in windows starting before `closed_before` into one
         pending event per tenant, meter and window; the new events' ids. Lines of meters no longer
         configured, and of tenants without a Stripe customer, stay unsealed."""
+        if self.session.get_bind().dialect.name == "sqlite":
+            # Take the write lock before reading: a read transaction that writes after another writer
+            # (a usage flush) committed fails at once on SQLite instead of waiting its turn.
+            await self.session.execute(text("UPDATE billing_lines SET event_id = event_id WHERE 0"))
         query = (
             select(
                 BillingLine.id,
