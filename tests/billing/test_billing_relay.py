@@ -87,3 +87,19 @@ def test_committed_then_500_is_not_counted_twice(db_url: str, stripe_standin: Ru
         await r.meters.close()
 
     run(db_url, scenario)
+
+
+def test_backoff_doubles_to_its_cap_with_half_of_it_random() -> None:
+    """Relays retrying together spread out: each wait lies in [ceiling / 2, ceiling], the ceiling
+    doubling per attempt up to retry_max_s."""
+    import random
+
+    from billing.config import BillingConfig
+    from billing.relay import BillingRelay
+
+    cfg = BillingConfig(retry_initial_s=1.0, retry_max_s=8.0)
+    r = BillingRelay(None, cfg, None, rng=random.Random(7))  # type: ignore[arg-type]
+    for attempts, ceiling in ((1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (9, 8.0)):
+        waits = [r._backoff_s(attempts) for _ in range(200)]
+        assert all(ceiling / 2 <= w <= ceiling for w in waits)
+        assert max(waits) - min(waits) > ceiling / 4  # jittered, not a fixed schedule
