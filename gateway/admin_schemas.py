@@ -46,6 +46,15 @@ Weight = Annotated[
     ),
 ]
 Status = Literal["active", "suspended"]
+StripeCustomerId = Annotated[
+    str,
+    Meta(
+        min_length=5,
+        max_length=255,
+        pattern=r"^cus_[A-Za-z0-9]+$",
+        description="the tenant's Stripe customer (cus_...); its usage is billed to it (docs/billing.md)",
+    ),
+]
 AwareDateTime = Annotated[
     dt.datetime, Meta(tz=True, description="with a timezone, e.g. 2030-01-01T00:00:00Z")
 ]
@@ -59,6 +68,7 @@ class TenantCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_concurrent: Concurrency | None = 8
     monthly_token_budget: Budget | None = None  # None: unlimited
     weight: Weight = 1.0
+    stripe_customer_id: StripeCustomerId | None = None
 
 
 class TenantUpdate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -72,6 +82,7 @@ class TenantUpdate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     monthly_token_budget: Budget | None | UnsetType = UNSET
     weight: Weight | UnsetType = UNSET
     status: Status | UnsetType = UNSET
+    stripe_customer_id: StripeCustomerId | None | UnsetType = UNSET  # null unlinks
 
     def changes(self) -> dict[str, object]:
         return {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not UNSET}
@@ -87,6 +98,7 @@ class TenantOut(msgspec.Struct, kw_only=True):
     monthly_token_budget: int | None
     weight: float
     status: Status
+    stripe_customer_id: str | None
     created_at: dt.datetime
     updated_at: dt.datetime
     object: Literal["tenant"] = "tenant"
@@ -103,6 +115,7 @@ class TenantOut(msgspec.Struct, kw_only=True):
             monthly_token_budget=t.monthly_token_budget,
             weight=t.weight,
             status="suspended" if t.status == "suspended" else "active",
+            stripe_customer_id=t.stripe_customer_id,
             created_at=t.created_at,
             updated_at=t.updated_at,
         )

@@ -23,6 +23,7 @@ from gateway.drain import Drain
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.metrics import GatewayMetrics
 from gateway.routes.admin import ADMIN_ROUTES
+from gateway.routes.billing import BILLING_ROUTES
 from gateway.routes.health import HEALTH_ROUTES, METRICS_SECURITY_COMPONENTS
 from gateway.routes.nodes import NODE_DEPENDENCIES, NODE_ROUTES
 from gateway.routes.openai import OPENAI_ROUTES
@@ -101,7 +102,7 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
 
     routes: list[ControllerRouterHandler] = [*OPENAI_ROUTES, *HEALTH_ROUTES, console_router()]
     if settings.auth:
-        routes += ADMIN_ROUTES
+        routes += ADMIN_ROUTES + BILLING_ROUTES
     routes += NODE_ROUTES
     return Litestar(
         route_handlers=routes,

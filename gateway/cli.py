@@ -1,4 +1,5 @@
-"""The `sluice` command: `sluice serve` runs the gateway; `sluice bench <name>` runs a benchmark.
+"""The `sluice` command: `sluice serve` runs the gateway; `sluice bench <name>` runs a benchmark;
+`sluice billing relay|reconcile` sends usage to Stripe and checks it (billing/cli.py).
 
 The benchmarks live in the top-level `benchmarks` package, which no product code imports:
 `sluice bench ...` replaces this process with `python -m benchmarks ...`. Defaults of `serve`
@@ -273,6 +274,10 @@ def build_parser(env: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice: multi-tenant LLM inference service")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub, env)
+    from billing.cli import add_billing_commands
+    from gateway.tenancy import database_url
+
+    add_billing_commands(sub, lambda: database_url(env))
     # Listed here for `sluice --help`; main() hands everything after `bench` to the benchmarks package.
     sub.add_parser("bench", add_help=False, help="benchmarks (sluice bench --help lists them)")
     return parser

@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from billing.config import BillingConfig
 from drivers.options import EngineOptions, overrides
 from drivers.supervisor import RestartPolicy
 
@@ -91,6 +92,9 @@ class Settings:
     HTTP counters and per-node gauges stay."""
     log_prompts: bool = False
     """Debug only: log request prompts (SLUICE_LOG_PROMPTS=1). Keys are never logged."""
+    billing: BillingConfig = field(default_factory=BillingConfig)
+    """Usage billing with Stripe meters: meters, window, Stripe key and address, the relay
+    (SLUICE_BILLING_*, STRIPE_API_KEY; see billing/config.py). Off unless a meter is named."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -134,6 +138,7 @@ class Settings:
             metrics_token=e.get("SLUICE_METRICS_TOKEN") or d.metrics_token,
             telemetry=e.get("SLUICE_TELEMETRY", "1").lower() not in ("0", "false", "off", "no"),
             log_prompts=e.get("SLUICE_LOG_PROMPTS", "0").lower() in ("1", "true", "on", "yes"),
+            billing=BillingConfig.from_env(e),
         )
 
     def __post_init__(self) -> None:

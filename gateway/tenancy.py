@@ -1,4 +1,5 @@
-"""The tenant machinery one gateway process runs: database, authenticators, limiter, usage writer.
+"""The tenant machinery one gateway process runs: database, authenticators, limiter, usage writer,
+and with billing configured the billing outbox and relay (billing/).
 
 Built from `Settings` at the edge and started/stopped by the app's lifespan.
 Startup migrates the database (alembic upgrade head) and sets up the admin
@@ -18,6 +19,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from billing.ledger import BillingOutbox
+from billing.metrics import BillingRelayCollector
+from billing.relay import BillingRelay
+from billing.stripe_meters import StripeMeters
 from gateway.admission import TenantGate
 from gateway.settings import Settings
 from ratelimit.base import FailMode, RateLimiter, lease_for
@@ -104,7 +109,8 @@ class Tenancy:
     usage: UsageWriter
     reports: ReportLimiter
     registry: CollectorRegistry | None = None
-    collector: UsageWriterCollector | None = None
+    collectors: tuple[Collector, ...] = ()
+    relay: BillingRelay | None = None  # with billing configured, SLUICE_BILLING_RELAY on
 
     @classmethod
     async def start(
@@ -116,7 +122,12 @@ class Tenancy:
         await run_migrations(engine)
         sessions = session_factory(engine)
         admin, generated = await AdminAuthenticator.setup(sessions, settings.admin_key)
-        usage = UsageWriter(sessions, UsageWriterConfig(flush_interval_s=settings.usage_flush_interval_s))
+        billing = settings.billing
+        # The outbox is written whenever meters are named, relay or not: the ledger must not have gaps.
+        outbox = BillingOutbox(list(billing.meters), billing.window_s) if billing.enabled else None
+        usage = UsageWriter(
+            sessions, UsageWriterConfig(flush_interval_s=settings.usage_flush_interval_s), outbox
+        )
         usage.start()
         gate = TenantGate(create_limiter(settings), usage, MonthlyUsage(sessions))
         keys = KeyAuthenticator(sessions, KeyCacheConfig(ttl_s=settings.auth_cache_ttl_s))
@@ -129,18 +140,29 @@ class Tenancy:
                 _, tenant_key = await tenants.create_key(tenant.id, "quickstart")
             first = FirstStartKeys(generated, tenant_key)
         tenancy = cls(engine, sessions, tenants, keys, admin, gate, usage, ReportLimiter())
+        if billing.can_send and billing.relay:
+            tenancy.relay = BillingRelay(sessions, billing, StripeMeters(billing))
+            tenancy.relay.start()
         if registry is not None:
-            tenancy.registry, tenancy.collector = registry, UsageWriterCollector(usage)
-            registry.register(tenancy.collector)
+            tenancy.registry = registry
+            tenancy.collectors = (UsageWriterCollector(usage),)
+            if tenancy.relay is not None:
+                tenancy.collectors += (BillingRelayCollector(tenancy.relay),)
+            for collector in tenancy.collectors:
+                registry.register(collector)
         return tenancy, first
 
     async def stop(self) -> None:
         await self.gate.close()  # refunds first: they may still be running
         await self.usage.close()
+        if self.relay is not None:  # after the usage flush; what it has not sent waits in the outbox
+            await self.relay.stop()
+            await self.relay.meters.close()
         await self.gate.limiter.close()
         await self.engine.dispose()
-        if self.registry is not None and self.collector is not None:
-            self.registry.unregister(self.collector)
+        if self.registry is not None:
+            for collector in self.collectors:
+                self.registry.unregister(collector)
         u = self.usage
         if u.dropped:
             log.error(

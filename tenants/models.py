@@ -7,6 +7,9 @@ Priority tiers (`Tenant.priority`, lower is more important; it becomes
     1  standard   the default
     2  batch      background work, scheduled last
 
+`Tenant.stripe_customer_id` links a tenant to its Stripe customer; only linked tenants'
+usage is sent to Stripe (docs/billing.md).
+
 `Tenant.weight` is the tenant's fair-share weight relative to the others (default 1.0);
 it reaches `TenantContext.weight`.
 
@@ -68,6 +71,8 @@ class Tenant(Base):
     max_concurrent: Mapped[int | None] = mapped_column(Integer, nullable=True)
     monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     weight: Mapped[float] = mapped_column(Float, default=1.0, server_default=text("1.0"))
+    # The tenant's Stripe customer (cus_...); None: its usage is recorded but not billed (billing/).
+    stripe_customer_id: Mapped[str | None] = mapped_column(String(255), nullable=True)
     status: Mapped[str] = mapped_column(String(16), default=TenantStatus.ACTIVE.value)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)

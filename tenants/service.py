@@ -36,6 +36,7 @@ MUTABLE_FIELDS = frozenset(
         "monthly_token_budget",
         "weight",
         "status",
+        "stripe_customer_id",
     }
 )
 
@@ -49,6 +50,7 @@ class TenantSpec:
     max_concurrent: int | None = 8
     monthly_token_budget: int | None = None
     weight: float = 1.0
+    stripe_customer_id: str | None = None  # None: usage recorded, not billed through Stripe
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class TenantService:
             max_concurrent=spec.max_concurrent,
             monthly_token_budget=spec.monthly_token_budget,
             weight=spec.weight,
+            stripe_customer_id=spec.stripe_customer_id,
             status=TenantStatus.ACTIVE.value,
         )
         async with self.sessions.begin() as session:
@@ -203,6 +206,11 @@ class TenantService:
 
 def month_start(now: dt.datetime) -> dt.datetime:
     return now.astimezone(dt.UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+
+def report_window(start: dt.datetime | None, end: dt.datetime | None) -> tuple[dt.datetime, dt.datetime]:
+    """[start, end) of a report (usage, latency, billing), in UTC: see _window."""
+    return _window(start, end)
 
 
 def _window(start: dt.datetime | None, end: dt.datetime | None) -> tuple[dt.datetime, dt.datetime]:

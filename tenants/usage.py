@@ -28,10 +28,10 @@ import datetime as dt
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -114,6 +114,13 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         current = orig if isinstance(orig, BaseException) else current.__cause__
 
 
+class UsageOutbox(Protocol):
+    """Something written in the same transaction as each batch of usage records (the billing outbox,
+    billing/ledger.py). A row fault it raises is the batch's: the batch is bisected as for any other."""
+
+    async def add(self, session: AsyncSession, batch: Sequence[UsageEvent]) -> None: ...
+
+
 class DatabaseUnavailableError(Exception):
     """A write failed for a reason that is not the rows': the rows stay buffered."""
 
@@ -140,10 +147,14 @@ class UsageWriter:
     `failed_writes` (attempts that found the database unavailable); `buffered` is a gauge."""
 
     def __init__(
-        self, sessions: async_sessionmaker[AsyncSession], config: UsageWriterConfig | None = None
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        config: UsageWriterConfig | None = None,
+        outbox: UsageOutbox | None = None,
     ) -> None:
         self.sessions = sessions
         self.config = config or UsageWriterConfig()
+        self.outbox = outbox
         self._rows: deque[UsageEvent] = deque()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -283,6 +294,8 @@ class UsageWriter:
         async with self.sessions.begin() as session:
             await UsageRepository(session).add_many([usage_row(e) for e in batch])
             await ApiKeyRepository(session).touch(last_used)
+            if self.outbox is not None:
+                await self.outbox.add(session, batch)
 
     def _reject(self, event: UsageEvent, exc: Exception) -> None:
         assert self._rows[0] is event, "usage rows settle oldest first"

@@ -63,6 +63,7 @@ async def create_tenant(
         max_concurrent=data.max_concurrent,
         monthly_token_budget=data.monthly_token_budget,
         weight=data.weight,
+        stripe_customer_id=data.stripe_customer_id,
     )
     return TenantOut.of(await _tenants(request).create_tenant(spec))
 

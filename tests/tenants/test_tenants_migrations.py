@@ -18,7 +18,9 @@ from tenants.db import (
     run_migrations,
 )
 
-TABLES = {"tenants", "api_keys", "usage_records", "admin_credentials", "alembic_version"}
+TABLES = {
+    "tenants", "api_keys", "usage_records", "admin_credentials", "billing_lines", "billing_events", "alembic_version"
+}
 
 
 async def _tables(engine: AsyncEngine) -> set[str]:

@@ -1,8 +1,10 @@
-// The admin's view: tenants (keys issued and revoked, usage), nodes and their health, models.
+// The admin's view: tenants (keys issued and revoked, usage, Stripe link and billed usage), nodes and
+// their health, models, the billing relay.
 
 import { barChart, COLORS, meter } from "./charts.js";
 import { fmtInt, fmtMs, fmtTime, h, replace } from "./dom.js";
 import { api } from "./api.js";
+import { billedPanel, relayTab } from "./billing.js";
 import { rangePicker, usagePanel } from "./usage.js";
 
 const TIERS = ["premium", "standard", "batch"];
@@ -12,7 +14,7 @@ const NODE_REFRESH_MS = 5000;
 export async function adminView(root, fail) {
   const panel = h("div", { class: "panel" });
   let timer = null;
-  const tabs = { tenants: tenantsTab, nodes: nodesTab, models: modelsTab };
+  const tabs = { tenants: tenantsTab, nodes: nodesTab, models: modelsTab, billing: relayTab };
   const nav = h("nav", { class: "tabs" }, Object.keys(tabs).map((name) =>
     h("button", { "data-tab": name, onclick: () => show(name) }, name[0].toUpperCase() + name.slice(1))));
   async function show(name) {
@@ -69,14 +71,35 @@ async function tenantDetail(detail, tenant, fail) {
   const keys = h("div", {});
   const usage = h("div", {}, h("p", { class: "muted" }, "Loading usage…"));
   let days = 30;
+  const billed = h("div", {});
+  const base = `/admin/tenants/${encodeURIComponent(tenant.id)}`;
   const loadUsage = async () => {
-    try { replace(usage, await usagePanel(`/admin/tenants/${encodeURIComponent(tenant.id)}`, days)); } catch (e) { fail(e, usage); }
+    try { replace(usage, await usagePanel(base, days)); } catch (e) { fail(e, usage); }
+    try { replace(billed, await billedPanel(`${base}/billing`, days)); } catch (e) { fail(e, billed); }
   };
   replace(detail, h("section", { "data-tenant-detail": tenant.id },
-    h("h2", {}, `Tenant ${tenant.name}`), h("p", { class: "muted mono" }, tenant.id), keys,
+    h("h2", {}, `Tenant ${tenant.name}`), h("p", { class: "muted mono" }, tenant.id), stripeLink(tenant, fail), keys,
     h("div", { class: "toolbar" }, h("h3", {}, "Usage"), rangePicker(days, (n) => { days = n; loadUsage(); })),
-    usage));
+    usage, h("h3", {}, "Billed usage"), billed));
   await Promise.all([keysPanel(keys, tenant, fail), loadUsage()]);
+}
+
+/** The tenant's Stripe customer: linking it starts billing its usage (empty unlinks). */
+function stripeLink(tenant, fail) {
+  const input = h("input", { name: "stripe-customer-id", placeholder: "cus_…", maxlength: 255, value: tenant.stripe_customer_id ?? "" });
+  const note = h("span", { class: "muted", "data-state": "stripe-customer" }, tenant.stripe_customer_id ? "linked" : "not billed through Stripe");
+  return h("form", {
+    class: "inline", "data-form": "stripe-customer",
+    onsubmit: async (e) => {
+      e.preventDefault();
+      try {
+        const value = input.value.trim() || null;
+        const updated = await api(`/admin/tenants/${encodeURIComponent(tenant.id)}`, { method: "PATCH", body: { stripe_customer_id: value } });
+        tenant.stripe_customer_id = updated.stripe_customer_id;
+        note.textContent = updated.stripe_customer_id ? "linked" : "not billed through Stripe";
+      } catch (err) { fail(err, note); }
+    },
+  }, h("label", {}, "Stripe customer "), input, h("button", { type: "submit" }, "Save"), note);
 }
 
 async function keysPanel(box, tenant, fail) {
