@@ -73,6 +73,7 @@ class SyntheticDriver(Driver):
         max_num_seqs: int = 64,  # the native engine's bounds, so both drivers serve alike by default
         max_waiting: int = 256,
         tokenize_s: float = 0.0,  # how long tokenizing a prompt takes (a worker thread sleeps it)
+        start_delay_s: float = 0.0,  # how long start() takes, like a model load (a worker's cold start)
     ) -> None:
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
@@ -88,6 +89,7 @@ class SyntheticDriver(Driver):
         # Extra time tokenizing one prompt takes, in the worker thread (a slow tokenizer, for tests of
         # what happens before dispatch); the word tokenizer itself is fast.
         self.tokenize_s = max(0.0, tokenize_s)
+        self.start_delay_s = max(0.0, start_delay_s)
         self.prompts_tokenized = 0  # tokenize() calls that encoded a prompt, since construction
         self._slots = asyncio.Semaphore(self.max_num_seqs)
         self._live: dict[str, _Live] = {}
@@ -110,11 +112,14 @@ class SyntheticDriver(Driver):
             max_model_len=o.max_model_len,
             max_num_seqs=o.max_num_seqs,
             max_waiting=o.max_waiting,
+            start_delay_s=o.synthetic_start_delay_s,
         ))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.start_delay_s:
+            await asyncio.sleep(self.start_delay_s)  # "loading the model": not ready meanwhile
         self._started = True
 
     async def stop(self) -> None:

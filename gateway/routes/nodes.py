@@ -12,9 +12,10 @@ from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, JSONBody
 from msgspec import Meta
 
-from drivers.base import Driver, NodesReport
+from drivers.base import Driver
 from gateway.auth import ADMIN_SECURITY, provide_admin
 from gateway.openapi import error_responses
+from gateway.scaling import NodesView, ScalingMonitor
 
 
 class FaultIn(msgspec.Struct, forbid_unknown_fields=True):
@@ -34,10 +35,11 @@ async def provide_node_admin(request: Request) -> None:
 
 
 @get("/admin/nodes", security=ADMIN_SECURITY, tags=["admin"], responses=error_responses(401, 403))
-async def list_nodes(driver: NamedDependency[Driver], node_admin: NamedDependency[None]) -> NodesReport:
+async def list_nodes(scaling: NamedDependency[ScalingMonitor], node_admin: NamedDependency[None]) -> NodesView:
     """Every engine node: status (healthy, sluggish, stalled, dead), load, latency over the health
-    window, why it is flagged; and the latest flag/unflag events."""
-    return driver.nodes()
+    window, why it is flagged; the latest flag/unflag events; and the autoscaling signal (`scaling`:
+    desired workers and what decided it, docs/scaling.md)."""
+    return await scaling.nodes_view()
 
 
 @post(
