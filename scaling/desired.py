@@ -103,15 +103,15 @@ def desired_workers(load: FleetLoad, policy: ScalingPolicy) -> Desired:
             return Desired(min(policy.max_workers, max(policy.min_workers, 1)), math.inf, Driver.ACTIVATION)
         return Desired(policy.min_workers, 0.0, Driver.IDLE)
     terms: list[tuple[float, Driver, int | None]] = [(0.0, Driver.IDLE, None)]
-    for tier, wait in load.wait_s_by_tier.items():
-        terms.append((wait / (policy.headroom * policy.target(tier)), Driver.QUEUE_WAIT, tier))
+    for t, wait in load.wait_s_by_tier.items():
+        terms.append((wait / (policy.headroom * policy.target(t)), Driver.QUEUE_WAIT, t))
     if load.kv_blocks_total > 0:
         terms.append((load.kv_blocks_used / load.kv_blocks_total / policy.kv_target, Driver.KV_CACHE, None))
     if load.max_num_seqs > 0:
         terms.append((load.running / load.max_num_seqs / policy.occupancy_target, Driver.OCCUPANCY, None))
-    pressure, driver, tier = max(terms, key=lambda t: t[0])
+    pressure, driver, tier_of = max(terms, key=lambda t: t[0])
     # A hair below an integer is that integer (float noise must not ask for a whole extra worker).
     workers = math.ceil(load.ready_workers * pressure - 1e-9)
     if demand and workers == 0:
         workers = 1  # something runs or waits: keep a worker for it
-    return Desired(min(policy.max_workers, max(policy.min_workers, workers)), pressure, driver, tier)
+    return Desired(min(policy.max_workers, max(policy.min_workers, workers)), pressure, driver, tier_of)
