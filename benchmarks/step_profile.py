@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "simulator" / "profiles" / "cpu-smollm2-135m.json"
-BATCHES = (1, 2, 4, 8, 16, 32)
-DECODE_STEPS = 16
+BATCHES = (1, 2, 4, 8, 16)
+DECODE_STEPS = 12
 SHORT_PROMPT, LONG_PROMPT = 32, 480
 PREFILLS = (256, 1024)
 

@@ -168,7 +168,10 @@ class Fleet:
         self.queues: list[deque[tuple[_Req, float]]] = [deque() for _ in self.c.ttft_targets_s]
         self.queued_work = [0] * len(self.queues)  # prompt + output tokens queued per tier
         self.held = [0] * len(self.queues)
-        self.workers: list[_Worker] = []
+        self.workers: list[_Worker] = []  # not yet gone: booting, ready or draining
+        self.departed: list[_Worker] = []
+        self.ready_count = 0
+        self.next_id = 0
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = 0
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of completions, for the rate
@@ -206,7 +209,8 @@ class Fleet:
         for q in self.queues:
             for req, _ in q:
                 self.shed[req.index] = ShedReason.NEVER_SERVED
-        seconds = sum((w.left_at if w.left_at is not None else end) - w.requested_at for w in self.workers)
+        seconds = sum((w.left_at if w.left_at is not None else end) - w.requested_at
+                      for w in self.workers + self.departed)
         return Result(self.policy.name, arrivals, self.ttft, self.finish, self.shed, seconds, self.series, end)
 
     # -- events ------------------------------------------------------------------------------
@@ -218,7 +222,7 @@ class Fleet:
     def _arrive(self, now: float, req: _Req) -> None:
         tier = min(req.tier, len(self.queues) - 1)
         req.tier = tier
-        if not any(w.state is _State.READY for w in self.workers):
+        if not self.ready_count:
             bound = self.c.hold_max[min(tier, len(self.c.hold_max) - 1)]
             if self.held[tier] >= bound:
                 self.shed[req.index] = ShedReason.HOLD_FULL
@@ -303,8 +307,7 @@ class Fleet:
         w.version += 1
         if not w.running:
             if w.state is _State.DRAINING:
-                w.state = _State.GONE
-                w.left_at = max(w.t_ref, self._now_hint)
+                self._depart(w, max(w.t_ref, self._now_hint))
             return
         w.step_s = self.p.decode_step_s(w.running, w.context_tokens())
         target = w.ends[0][0]
@@ -330,16 +333,24 @@ class Fleet:
     def _ready(self, w: _Worker, now: float) -> None:
         if w.state is _State.BOOTING:
             w.state = _State.READY
+            self.ready_count += 1
             w.t_ref = now
             self._dispatch(now)
+
+    def _depart(self, w: _Worker, now: float) -> None:
+        w.state, w.left_at = _State.GONE, now
+        self.workers.remove(w)
+        self.departed.append(w)
 
     # -- scaling -----------------------------------------------------------------------------
 
     def _add_worker(self, now: float, booted: bool = False) -> None:
-        w = _Worker(len(self.workers), now)
+        self.next_id += 1
+        w = _Worker(self.next_id, now)
         self.workers.append(w)
         if booted:
             w.state = _State.READY
+            self.ready_count += 1
         else:
             self._push(now + self.p.cold_start_s, _READY, w)
 
@@ -369,14 +380,15 @@ class Fleet:
                     break
                 surplus -= 1
                 if w.state is _State.BOOTING:
-                    w.state, w.left_at = _State.GONE, now
+                    self._depart(w, now)
                 else:
                     w.state = _State.DRAINING
+                    self.ready_count -= 1
                     w.advance(now)
                     self._reschedule(w)
         s = self.series
         s.time.append(now)
-        s.workers.append(sum(1 for w in self.workers if w.state is not _State.GONE))
+        s.workers.append(len(self.workers))
         s.ready.append(load.ready_workers)
         s.target.append(target)
         s.queued.append(sum(len(q) for q in self.queues))
