@@ -28,7 +28,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -172,7 +172,7 @@ class Fleet:
         self.departed: list[_Worker] = []
         self.ready_count = 0
         self.next_id = 0
-        self.events: list[tuple[float, int, int, object]] = []
+        self.events: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of completions, for the rate
         self.recent_tokens = 0
@@ -195,13 +195,15 @@ class Fleet:
                 break
             now, _, kind, data = heapq.heappop(self.events)
             if kind == _WORKER:
-                worker, version, step = data  # type: ignore[misc]
+                worker: _Worker = data[0]
+                version: int = data[1]
+                step: int = data[2]
                 if worker.version == version:
                     # Exactly the step it was scheduled for: dividing times back into steps would drift.
                     worker.step, worker.t_ref = step, max(worker.t_ref, now)
                     self._worker_event(worker, now)
             elif kind == _READY:
-                self._ready(data, now)  # type: ignore[arg-type]
+                self._ready(data, now)
             elif kind == _CONTROL:
                 self._control(now)
                 if i < n or any(self.queues) or any(w.running for w in self.workers):
@@ -215,7 +217,7 @@ class Fleet:
 
     # -- events ------------------------------------------------------------------------------
 
-    def _push(self, at: float, kind: int, data: object) -> None:
+    def _push(self, at: float, kind: int, data: Any) -> None:
         self.seq += 1
         heapq.heappush(self.events, (at, self.seq, kind, data))
 
