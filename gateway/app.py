@@ -61,6 +61,7 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
                              replace(settings.scaling, ttft_targets_s=settings.ttft_targets_s))
     metrics.registry.register(ScalingCollector(scaling))
     drain = Drain(driver, settings.drain_timeout_s)  # SIGTERM: refuse new, finish or end the rest (drain.py)
+    service.cold_start.stopping = lambda: drain.draining  # requests held for a worker end when it starts
     state = State({"settings": settings, "tenancy": None, "drain": drain})
 
     @asynccontextmanager

@@ -12,7 +12,8 @@ checked or tokenized (both need a worker's model), until a worker turns ready, w
 Held requests are the activation signal (`sluice_requests_held`, counted into
 `vllm:num_requests_waiting`, and `sluice_desired_workers` >= 1: gateway/scaling.py): an autoscaler
 that sees them starts the first worker. One poller task watches readiness while anything is held and
-releases every waiter at once when a worker is ready; when nothing is held nothing polls, and a
+releases every waiter at once when a worker is ready (or ends them with 503 when the server starts
+draining); when nothing is held nothing polls, and a
 request that finds the driver ready passes through with one health read.
 """
 
@@ -27,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from drivers.base import OverloadedError
+from drivers.base import OverloadedError, ShuttingDownError
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,10 @@ class ColdStartHold:
         self.policy = policy
         self._ready = ready
         self.metrics = metrics
+        # The server is draining (gateway/drain.py): held requests end at once with 503 + Retry-After,
+        # another replica can take them. create_app points it at the drain.
+        self.stopping: Callable[[], bool] = lambda: False
+        self._shutdown = False
         self.held: dict[int, int] = {}  # tier -> requests waiting now
         self._released = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
@@ -104,6 +109,8 @@ class ColdStartHold:
                     f"No worker turned ready within {self.policy.timeout_s:g} s", self._retry_after(),
                     HoldOutcome.TIMEOUT,
                 ) from None
+            if self._shutdown:
+                raise ShuttingDownError("The server is shutting down; retry the request", retry_after=1.0)
             self._record(tier, HoldOutcome.SERVED, time.monotonic() - started)
         finally:
             self.held[tier] -= 1
@@ -124,6 +131,10 @@ class ColdStartHold:
     async def _poll(self, released: asyncio.Event) -> None:
         # Runs while anything is held; a new poller (and event) starts with the next hold after it ends.
         while self.total_held:
+            if self.stopping():
+                self._shutdown = True
+                released.set()
+                return
             if await self._ready():
                 released.set()
                 return

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from drivers.base import ShuttingDownError
 from gateway.cold_start import ColdStartHold, HoldOutcome, HoldPolicy, NoCapacityError
 from scaling.desired import Driver, FleetLoad, ScalingPolicy, desired_workers
 
@@ -80,5 +81,13 @@ async def _hold_scenario() -> None:
     with pytest.raises(NoCapacityError) as late:
         await never.wait(0)
     assert late.value.outcome is HoldOutcome.TIMEOUT and never.total_held == 0
-    await hold.close()
-    await never.close()
+    # The server starts draining: a held request ends with 503 at once rather than at its deadline.
+    draining = ColdStartHold(HoldPolicy(max_held=(4,), timeout_s=600.0, poll_s=0.01), lambda: asyncio.sleep(0, False))
+    held = asyncio.create_task(draining.wait(0))
+    while not draining.total_held:
+        await asyncio.sleep(0.01)
+    draining.stopping = lambda: True
+    with pytest.raises(ShuttingDownError):
+        await held
+    for h in (hold, never, draining):
+        await h.close()
