@@ -119,6 +119,7 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
             "driver": Provide(lambda: driver, use_cache=True, sync_to_thread=False),
             "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False),
             "scaling": Provide(lambda: scaling, use_cache=True, sync_to_thread=False),
+            "observability": Provide(lambda: observability, use_cache=True, sync_to_thread=False),
             "caller": Provide(provide_labelled_caller),
             "admin": Provide(provide_admin),
             **NODE_DEPENDENCIES,

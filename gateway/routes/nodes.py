@@ -16,6 +16,8 @@ from drivers.base import Driver
 from gateway.auth import ADMIN_SECURITY, provide_admin
 from gateway.openapi import error_responses
 from gateway.scaling import NodesView, ScalingMonitor
+from observability.hub import Observability
+from observability.length_view import LengthLatencyReport
 
 
 class FaultIn(msgspec.Struct, forbid_unknown_fields=True):
@@ -58,5 +60,14 @@ async def set_fault(
     return FaultOut(node_id, data.step_delay_s, data.stall)
 
 
-NODE_ROUTES = [list_nodes, set_fault]
+@get("/admin/latency/by-length", security=ADMIN_SECURITY, tags=["admin"], responses=error_responses(401, 403))
+async def latency_by_length(
+    observability: NamedDependency[Observability], node_admin: NamedDependency[None]
+) -> LengthLatencyReport:
+    """TTFT and inter-token latency per minute of the last hour, by prompt-length bucket, and
+    inter-token latency by output position (p50 / p90 / count): the console's Latency tab."""
+    return observability.by_length.report()
+
+
+NODE_ROUTES = [list_nodes, set_fault, latency_by_length]
 NODE_DEPENDENCIES = {"node_admin": Provide(provide_node_admin)}
