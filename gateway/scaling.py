@@ -14,6 +14,7 @@ Exported (gauges, `ScalingCollector`):
     sluice_desired_workers                   the formula's figure
     sluice_ready_workers                     workers (engine nodes) able to serve now
     sluice_scaling_pressure                  the formula's max term (1 = at target; +Inf: no worker)
+    sluice_prefill_utilization               prompt tokens/s over the measured prefill capacity
     sluice_estimated_queue_wait_seconds{priority}   the shedder's calibrated estimate, per tier
     sluice_requests_held{priority}           waiting for a first worker (scale from zero)
     sluice_activation                        1 while there is demand and no ready worker
@@ -47,6 +48,7 @@ class ScalingSignal(msgspec.Struct, frozen=True, kw_only=True):
     held_by_priority: dict[int, int] = {}
     estimated_wait_s_by_priority: dict[int, float] = {}
     kv_cache_usage: float = 0.0  # 0..1
+    prefill_utilization: float | None = None  # prompt tokens/s over measured prefill capacity
     min_workers: int = 0
     max_workers: int = 0
 
@@ -93,6 +95,8 @@ class ScalingMonitor:
             ready_workers=ready, wait_s_by_tier=waits, running=health.running, waiting=health.waiting,
             held=sum(held.values()), max_num_seqs=health.max_num_seqs, kv_blocks_used=health.kv_blocks_used,
             kv_blocks_total=health.kv_blocks_total,
+            prefill_utilization=(health.prompt_tokens_per_s / health.prefill_tokens_per_s
+                                 if ready and health.prefill_tokens_per_s > 0 else None),
         )
         self.latest = self._signal(load, desired_workers(load, self.policy), held)
         return self.latest
@@ -104,7 +108,9 @@ class ScalingMonitor:
             pressure=None if math.isinf(d.pressure) else round(d.pressure, 4), driver=str(d.driver),
             driver_tier=d.tier, running=load.running, waiting=load.waiting + load.held, held_by_priority=held,
             estimated_wait_s_by_priority={t: round(w, 4) for t, w in load.wait_s_by_tier.items()},
-            kv_cache_usage=round(kv, 4), min_workers=self.policy.min_workers, max_workers=self.policy.max_workers,
+            kv_cache_usage=round(kv, 4),
+            prefill_utilization=None if load.prefill_utilization is None else round(load.prefill_utilization, 4),
+            min_workers=self.policy.min_workers, max_workers=self.policy.max_workers,
         )
 
     async def nodes_view(self) -> NodesView:
@@ -141,6 +147,10 @@ class ScalingCollector(Collector):
         yield GaugeMetricFamily("sluice_scaling_pressure",
                                 "Max term of the desired-workers formula (1 = at target, +Inf = no worker)",
                                 value=math.inf if s.pressure is None else s.pressure)
+        if s.prefill_utilization is not None:
+            yield GaugeMetricFamily("sluice_prefill_utilization",
+                                    "Prompt tokens computed per second over the measured prefill capacity",
+                                    value=s.prefill_utilization)
         wait = GaugeMetricFamily("sluice_estimated_queue_wait_seconds",
                                  "Admission control's estimated time to first token, by priority tier",
                                  labels=["priority"])

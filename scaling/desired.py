@@ -9,6 +9,7 @@ simulator shows is what an autoscaler reading the metric would do.
         max over tiers p of  wait(p) / (headroom x target(p)),   queue wait vs the tier's TTFT target
         kv_used / kv_total / kv_target,                          KV cache pressure
         running / max_num_seqs / occupancy_target,               batch slots in use
+        prefill_utilization / prefill_target,                    compute spent on prompts
     )
     desired  = ceil(ready x pressure), within [min_workers, max_workers]
 
@@ -17,6 +18,12 @@ pressure` workers it would sit at its target: a queue wait scales as 1 / workers
 drains over more workers), KV use and occupancy too. `headroom` (0.5) aims the estimated wait at half
 the target, so that scaling starts before the shedder (gateway/load_shedding.py, which refuses at the
 target itself) has to. The estimate `wait(p)` is the shedder's, calibrated against real TTFTs.
+
+`prefill_utilization` is the prompt tokens computed per second over the rate the workers computed
+prompts at while work was queued (their measured prefill capacity). It is what keeps a compute-bound
+fleet from oscillating: queue wait and slots say nothing until the workers are saturated, so without
+it a fleet that just drained its backlog asks to shrink to where the backlog comes back.
+`prefill_target` (0.55) leaves the rest of a worker's time to its decode steps.
 
 With no ready worker there is no capacity to scale: any demand (requests held at the gateway, queued,
 or running) asks for `max(min_workers, 1)`: the activation signal of scale from zero. Scaling down
@@ -44,6 +51,8 @@ class ScalingPolicy:
     """KV cache use per worker to aim at; above it preemptions start (SLUICE_SCALING_KV_TARGET)."""
     occupancy_target: float = 0.9
     """Running sequences / max_num_seqs to aim at (SLUICE_SCALING_OCCUPANCY_TARGET)."""
+    prefill_target: float = 0.55
+    """Share of the workers' measured prefill capacity to aim at (SLUICE_SCALING_PREFILL_TARGET)."""
     min_workers: int = 1
     """Fewest workers asked for (SLUICE_SCALING_MIN_WORKERS). 1 by default: a gateway with its engine in
     process (embedded) is itself the worker and cannot hold requests at zero; a fleet whose gateway runs
@@ -54,8 +63,9 @@ class ScalingPolicy:
     def __post_init__(self) -> None:
         if not self.ttft_targets_s or min(self.ttft_targets_s) <= 0:
             raise ValueError("TTFT targets must be positive")
-        if not 0 < self.headroom <= 1 or not 0 < self.kv_target <= 1 or not 0 < self.occupancy_target <= 1:
-            raise ValueError("headroom, kv_target and occupancy_target lie in (0, 1]")
+        targets = (self.headroom, self.kv_target, self.occupancy_target, self.prefill_target)
+        if not all(0 < t <= 1 for t in targets):
+            raise ValueError("headroom, kv_target, occupancy_target and prefill_target lie in (0, 1]")
         if not 0 <= self.min_workers <= self.max_workers:
             raise ValueError("0 <= min_workers <= max_workers")
 
@@ -75,6 +85,7 @@ class FleetLoad:
     max_num_seqs: int = 0  # all ready workers; 0: unknown
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0  # 0: unknown
+    prefill_utilization: float | None = None  # prompt tokens/s over measured prefill capacity; None: unknown
 
 
 class Driver(enum.StrEnum):
@@ -85,6 +96,7 @@ class Driver(enum.StrEnum):
     QUEUE_WAIT = "queue_wait"
     KV_CACHE = "kv_cache"
     OCCUPANCY = "occupancy"
+    PREFILL = "prefill"
 
 
 @dataclass(frozen=True)
@@ -109,6 +121,8 @@ def desired_workers(load: FleetLoad, policy: ScalingPolicy) -> Desired:
         terms.append((load.kv_blocks_used / load.kv_blocks_total / policy.kv_target, Driver.KV_CACHE, None))
     if load.max_num_seqs > 0:
         terms.append((load.running / load.max_num_seqs / policy.occupancy_target, Driver.OCCUPANCY, None))
+    if load.prefill_utilization is not None:
+        terms.append((load.prefill_utilization / policy.prefill_target, Driver.PREFILL, None))
     pressure, driver, tier_of = max(terms, key=lambda t: t[0])
     # A hair below an integer is that integer (float noise must not ask for a whole extra worker).
     workers = math.ceil(load.ready_workers * pressure - 1e-9)

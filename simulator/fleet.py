@@ -176,6 +176,8 @@ class Fleet:
         self.seq = 0
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of completions, for the rate
         self.recent_tokens = 0
+        self.prefilled: deque[tuple[float, int]] = deque()  # (time, prompt tokens) admitted, for utilization
+        self.prefilled_tokens = 0
         self.series = Series()
         times, tiers = arrivals.time.tolist(), arrivals.tier.tolist()
         self._times_ref = times
@@ -303,6 +305,8 @@ class Fleet:
         w.sum_prompt += req.prompt
         w.sum_start += req.start_step
         heapq.heappush(w.ends, (req.end_step, req.index, req))
+        self.prefilled.append((now, req.prompt))
+        self.prefilled_tokens += req.prompt
         self._reschedule(w)
 
     def _reschedule(self, w: _Worker) -> None:
@@ -356,6 +360,15 @@ class Fleet:
         else:
             self._push(now + self.p.cold_start_s, _READY, w)
 
+    def _prefill_utilization(self, now: float, ready: int) -> float | None:
+        """Prompt tokens admitted per second over the ready workers' prefill rate (the gateway's
+        prompt_tokens_per_s / prefill_tokens_per_s)."""
+        while self.prefilled and self.prefilled[0][0] < now - self.c.rate_window_s:
+            self.prefilled_tokens -= self.prefilled.popleft()[1]
+        if not ready or math.isinf(self.p.prefill_tokens_per_s):
+            return None
+        return self.prefilled_tokens / self.c.rate_window_s / (ready * self.p.prefill_tokens_per_s)
+
     def load(self, now: float) -> FleetLoad:
         ready = [w for w in self.workers if w.state is _State.READY]
         waits = {t: self._estimated_wait(t, now) for t in range(len(self.queues))} if ready else {}
@@ -364,6 +377,7 @@ class Fleet:
             waiting=sum(len(q) for q in self.queues) - sum(self.held), held=sum(self.held),
             max_num_seqs=self.p.max_num_seqs * len(ready), kv_blocks_used=sum(w.kv_used for w in ready),
             kv_blocks_total=self.p.kv_tokens * len(ready),
+            prefill_utilization=self._prefill_utilization(now, len(ready)),
         )
 
     def _control(self, now: float) -> None:

@@ -31,6 +31,10 @@ def test_kv_pressure_and_occupancy_count_when_queues_are_short() -> None:
     assert (kv.workers, kv.driver) == (5, Driver.KV_CACHE)  # 0.95 / 0.8 x 4 = 4.75
     busy = desired_workers(FleetLoad(ready_workers=2, running=128, max_num_seqs=128), POLICY)
     assert (busy.workers, busy.driver) == (3, Driver.OCCUPANCY)  # 1 / 0.9 x 2
+    # Compute-bound: few slots used, no queue yet, but prompts take 0.9 of the measured prefill rate.
+    hot = desired_workers(FleetLoad(ready_workers=4, running=20, max_num_seqs=1024, prefill_utilization=0.9),
+                          POLICY)
+    assert (hot.workers, hot.driver) == (7, Driver.PREFILL)  # 0.9 / 0.55 x 4 = 6.5
 
 
 def test_an_idle_fleet_falls_to_the_minimum_and_bounds_hold() -> None:
@@ -49,7 +53,7 @@ def test_no_ready_worker_with_demand_is_the_activation_signal() -> None:
 
 
 def test_bad_policies_are_refused() -> None:
-    for bad in ({"headroom": 0.0}, {"kv_target": 1.5}, {"min_workers": 5, "max_workers": 2},
+    for bad in ({"headroom": 0.0}, {"kv_target": 1.5}, {"prefill_target": 0.0}, {"min_workers": 5, "max_workers": 2},
                 {"ttft_targets_s": ()}):
         with pytest.raises(ValueError):
             ScalingPolicy(**bad)  # type: ignore[arg-type]
