@@ -47,7 +47,8 @@ class Settings:
     (SLUICE_COLD_HOLD_MAX, SLUICE_COLD_HOLD_TIMEOUT_S). See gateway/cold_start.py."""
     scaling: ScalingPolicy = field(default_factory=ScalingPolicy)
     """Targets of the desired-workers signal (SLUICE_SCALING_HEADROOM, SLUICE_SCALING_KV_TARGET,
-    SLUICE_SCALING_OCCUPANCY_TARGET, SLUICE_SCALING_PREFILL_TARGET, SLUICE_SCALING_MIN_WORKERS, SLUICE_SCALING_MAX_WORKERS); its TTFT
+    SLUICE_SCALING_OCCUPANCY_TARGET, SLUICE_SCALING_PREFILL_TARGET, SLUICE_SCALING_MIN_WORKERS,
+    SLUICE_SCALING_MAX_WORKERS, SLUICE_SCALING_MAX_STEP_UP); its TTFT
     targets are `ttft_targets_s`. See scaling/desired.py."""
     log_level: str = "INFO"
     """Root log level (SLUICE_LOG_LEVEL)."""
@@ -133,6 +134,7 @@ class Settings:
                 prefill_target=float(e.get("SLUICE_SCALING_PREFILL_TARGET", d.scaling.prefill_target)),
                 min_workers=int(e.get("SLUICE_SCALING_MIN_WORKERS", d.scaling.min_workers)),
                 max_workers=int(e.get("SLUICE_SCALING_MAX_WORKERS", d.scaling.max_workers)),
+                max_step_up=float(e.get("SLUICE_SCALING_MAX_STEP_UP", d.scaling.max_step_up)),
             ),
             log_level=e.get("SLUICE_LOG_LEVEL", d.log_level).upper(),
             max_default_tokens=int(e.get("SLUICE_MAX_DEFAULT_TOKENS", d.max_default_tokens)),

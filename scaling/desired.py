@@ -11,7 +11,7 @@ simulator shows is what an autoscaler reading the metric would do.
         running / max_num_seqs / occupancy_target,               batch slots in use
         prefill_utilization / prefill_target,                    compute spent on prompts
     )
-    desired  = ceil(ready x pressure), within [min_workers, max_workers]
+    desired  = ceil(ready x min(pressure, max_step_up)), within [min_workers, max_workers]
 
 Each term is a load divided by the capacity of the `ready` workers that serve it, so with `ready x
 pressure` workers it would sit at its target: a queue wait scales as 1 / workers (the same queued work
@@ -24,6 +24,12 @@ prompts at while work was queued (their measured prefill capacity). It is what k
 fleet from oscillating: queue wait and slots say nothing until the workers are saturated, so without
 it a fleet that just drained its backlog asks to shrink to where the backlog comes back.
 `prefill_target` (0.55) leaves the rest of a worker's time to its decode steps.
+
+`max_step_up` (2) caps one reading at twice the ready workers. A burst's backlog, measured as a
+wait, asks for the fleet that would drain it at once, many times what the burst's rate needs; by the
+time those workers have booted the backlog is gone and they are drained again (the simulator shows
+a 2-worker fleet asking for 36 in a 4x burst without the cap). Doubling per cold start reaches any
+size in a few steps while new workers keep lowering the pressure.
 
 With no ready worker there is no capacity to scale: any demand (requests held at the gateway, queued,
 or running) asks for `max(min_workers, 1)`: the activation signal of scale from zero. Scaling down
@@ -59,6 +65,8 @@ class ScalingPolicy:
     apart from its workers sets 0 to let an idle fleet scale to zero."""
     max_workers: int = 64
     """Most workers asked for (SLUICE_SCALING_MAX_WORKERS)."""
+    max_step_up: float = 2.0
+    """Most one reading asks for, as a multiple of the ready workers (SLUICE_SCALING_MAX_STEP_UP)."""
 
     def __post_init__(self) -> None:
         if not self.ttft_targets_s or min(self.ttft_targets_s) <= 0:
@@ -66,6 +74,8 @@ class ScalingPolicy:
         targets = (self.headroom, self.kv_target, self.occupancy_target, self.prefill_target)
         if not all(0 < t <= 1 for t in targets):
             raise ValueError("headroom, kv_target, occupancy_target and prefill_target lie in (0, 1]")
+        if self.max_step_up < 1:
+            raise ValueError("max_step_up >= 1")
         if not 0 <= self.min_workers <= self.max_workers:
             raise ValueError("0 <= min_workers <= max_workers")
 
@@ -125,7 +135,7 @@ def desired_workers(load: FleetLoad, policy: ScalingPolicy) -> Desired:
         terms.append((load.prefill_utilization / policy.prefill_target, Driver.PREFILL, None))
     pressure, driver, tier_of = max(terms, key=lambda t: t[0])
     # A hair below an integer is that integer (float noise must not ask for a whole extra worker).
-    workers = math.ceil(load.ready_workers * pressure - 1e-9)
+    workers = math.ceil(load.ready_workers * min(pressure, policy.max_step_up) - 1e-9)
     if demand and workers == 0:
         workers = 1  # something runs or waits: keep a worker for it
     return Desired(min(policy.max_workers, max(policy.min_workers, workers)), pressure, driver, tier_of)

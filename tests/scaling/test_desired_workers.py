@@ -43,6 +43,9 @@ def test_an_idle_fleet_falls_to_the_minimum_and_bounds_hold() -> None:
     assert desired_workers(FleetLoad(ready_workers=8), scale_to_zero).workers == 0
     flood = desired_workers(FleetLoad(ready_workers=10, wait_s_by_tier={1: 500.0}), POLICY)
     assert flood.workers == POLICY.max_workers
+    # A backlog asks for at most twice the ready workers per reading.
+    backlog = desired_workers(FleetLoad(ready_workers=3, wait_s_by_tier={1: 100.0}), POLICY)
+    assert (backlog.workers, backlog.pressure) == (6, pytest.approx(20.0))
 
 
 def test_no_ready_worker_with_demand_is_the_activation_signal() -> None:
@@ -53,7 +56,7 @@ def test_no_ready_worker_with_demand_is_the_activation_signal() -> None:
 
 
 def test_bad_policies_are_refused() -> None:
-    for bad in ({"headroom": 0.0}, {"kv_target": 1.5}, {"prefill_target": 0.0}, {"min_workers": 5, "max_workers": 2},
+    for bad in ({"headroom": 0.0}, {"kv_target": 1.5}, {"prefill_target": 0.0}, {"min_workers": 5, "max_workers": 2}, {"max_step_up": 0.5},
                 {"ttft_targets_s": ()}):
         with pytest.raises(ValueError):
             ScalingPolicy(**bad)  # type: ignore[arg-type]
