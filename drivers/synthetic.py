@@ -96,6 +96,7 @@ class SyntheticDriver(Driver):
         self._running = 0
         self._waiting = 0
         self._started = False
+        self._starting = False
         self._created = int(time.time())
         self._tokens_generated = 0
         self._waiting_tokens = 0
@@ -118,9 +119,13 @@ class SyntheticDriver(Driver):
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self.start_delay_s:
-            await asyncio.sleep(self.start_delay_s)  # "loading the model": not ready meanwhile
-        self._started = True
+        self._starting = True
+        try:
+            if self.start_delay_s:
+                await asyncio.sleep(self.start_delay_s)  # "loading the model": not ready meanwhile
+            self._started = True
+        finally:
+            self._starting = False
 
     async def stop(self) -> None:
         """Requests still running end with ShuttingDownError."""
@@ -136,7 +141,8 @@ class SyntheticDriver(Driver):
     async def health(self) -> DriverHealth:
         return DriverHealth(
             ready=self._started,
-            detail="synthetic" if self._started else "not started",
+            detail="synthetic" if self._started else "starting" if self._starting else "not started",
+            starting=self._starting,
             running=self._running,
             waiting=self._waiting,
             generation_tokens_per_s=self._generation_rate(),

@@ -1,7 +1,7 @@
 """Scale from zero: hold requests while no worker is ready, serve them when one turns ready.
 
-When the driver says it cannot serve (`DriverHealth.ready` is False: no worker yet, a model still
-loading, every engine restarting), a request is not refused at once. It waits here, before it is
+When the driver says capacity is coming (`DriverHealth.starting`: no worker yet, a model still
+loading), a request is not refused at once. It waits here, before it is
 checked or tokenized (both need a worker's model), until a worker turns ready, within two bounds:
 
     per tier   at most `max_held[tier]` requests wait; the next one of that tier gets 503 + Retry-After
@@ -14,7 +14,9 @@ Held requests are the activation signal (`sluice_requests_held`, counted into
 that sees them starts the first worker. One poller task watches readiness while anything is held and
 releases every waiter at once when a worker is ready (or ends them with 503 when the server starts
 draining); when nothing is held nothing polls, and a
-request that finds the driver ready passes through with one health read.
+request that finds the driver ready passes through with one health read. A driver that is down
+for another reason (an engine died and restarts, the driver stopped or gave up) is not waited for:
+the request goes on and fails fast as before (503 `engine_dead`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ class HoldPolicy:
         return self.max_held[min(max(tier, 0), len(self.max_held) - 1)]
 
 
+class Readiness(enum.IntEnum):
+    READY = 0  # a worker can serve now
+    STARTING = 1  # none can, one is coming: hold
+    DOWN = 2  # none can, none is coming: do not hold (the request fails the usual way)
+
+
 class HoldOutcome(enum.StrEnum):
     SERVED = "served"  # a worker turned ready while it waited
     FULL = "hold_full"  # the tier's bound was reached: refused at once
@@ -69,7 +77,7 @@ class ColdStartHold:
     """Holds requests while `ready()` is False; see the module docstring."""
 
     def __init__(
-        self, policy: HoldPolicy, ready: Callable[[], Awaitable[bool]], metrics: HoldMetrics | None = None
+        self, policy: HoldPolicy, ready: Callable[[], Awaitable[Readiness]], metrics: HoldMetrics | None = None
     ) -> None:
         self.policy = policy
         self._ready = ready
@@ -87,8 +95,9 @@ class ColdStartHold:
         return sum(self.held.values())
 
     async def wait(self, tier: int) -> None:
-        """Return when a worker is ready (at once if one is); raise NoCapacityError otherwise."""
-        if await self._ready():
+        """Return when a worker is ready (at once if one is, or if none is coming); raise NoCapacityError
+        when the hold is full or the deadline passes."""
+        if await self._ready() is not Readiness.STARTING:
             return
         bound = self.policy.bound(tier)
         if self.held.get(tier, 0) >= bound:
@@ -135,7 +144,7 @@ class ColdStartHold:
                 self._shutdown = True
                 released.set()
                 return
-            if await self._ready():
+            if await self._ready() is not Readiness.STARTING:  # ready, or nothing to wait for any more
                 released.set()
                 return
             await asyncio.sleep(self.policy.poll_s)

@@ -24,7 +24,7 @@ import msgspec
 
 from drivers.base import Driver, DriverError
 from gateway.admission import TenantGate
-from gateway.cold_start import ColdStartHold
+from gateway.cold_start import ColdStartHold, Readiness
 from gateway.errors import error_from_driver
 from gateway.fanout import LifetimeExceededError
 from gateway.load_shedding import LoadShedder, SheddingPolicy
@@ -74,8 +74,11 @@ class CompletionService:
         # No ready worker: requests wait here for one, bounded per tier and in time (scale from zero).
         self.cold_start = ColdStartHold(settings.cold_start, self._driver_ready, metrics)
 
-    async def _driver_ready(self) -> bool:
-        return (await self.driver.health()).ready
+    async def _driver_ready(self) -> Readiness:
+        health = await self.driver.health()
+        if health.ready:
+            return Readiness.READY
+        return Readiness.STARTING if health.starting and health.live else Readiness.DOWN
 
     async def chat(
         self,

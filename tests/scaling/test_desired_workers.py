@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from drivers.base import ShuttingDownError
-from gateway.cold_start import ColdStartHold, HoldOutcome, HoldPolicy, NoCapacityError
+from gateway.cold_start import ColdStartHold, HoldOutcome, HoldPolicy, NoCapacityError, Readiness
 from scaling.desired import Driver, FleetLoad, ScalingPolicy, desired_workers
 
 POLICY = ScalingPolicy(ttft_targets_s=(2.0, 10.0, 30.0), headroom=0.5, min_workers=1, max_workers=20)
@@ -69,8 +69,14 @@ def test_hold_releases_waiters_when_ready_refuses_beyond_the_bound_and_times_out
 async def _hold_scenario() -> None:
     ready = asyncio.Event()
 
-    async def is_ready() -> bool:
-        return ready.is_set()
+    async def is_ready() -> Readiness:
+        return Readiness.READY if ready.is_set() else Readiness.STARTING
+
+    async def starting() -> Readiness:
+        return Readiness.STARTING
+
+    async def down() -> Readiness:
+        return Readiness.DOWN
 
     hold = ColdStartHold(HoldPolicy(max_held=(2,), timeout_s=30.0, poll_s=0.01), is_ready)
     waiters = [asyncio.create_task(hold.wait(1)) for _ in range(2)]
@@ -84,17 +90,20 @@ async def _hold_scenario() -> None:
     assert hold.total_held == 0
     await hold.wait(1)  # ready: passes at once
 
-    never = ColdStartHold(HoldPolicy(max_held=(4,), timeout_s=0.05, poll_s=0.01), lambda: asyncio.sleep(0, False))
+    never = ColdStartHold(HoldPolicy(max_held=(4,), timeout_s=0.05, poll_s=0.01), starting)
     with pytest.raises(NoCapacityError) as late:
         await never.wait(0)
     assert late.value.outcome is HoldOutcome.TIMEOUT and never.total_held == 0
     # The server starts draining: a held request ends with 503 at once rather than at its deadline.
-    draining = ColdStartHold(HoldPolicy(max_held=(4,), timeout_s=600.0, poll_s=0.01), lambda: asyncio.sleep(0, False))
+    draining = ColdStartHold(HoldPolicy(max_held=(4,), timeout_s=600.0, poll_s=0.01), starting)
     held = asyncio.create_task(draining.wait(0))
     while not draining.total_held:
         await asyncio.sleep(0.01)
     draining.stopping = lambda: True
     with pytest.raises(ShuttingDownError):
         await held
-    for h in (hold, never, draining):
+    # Down, nothing coming (an engine died and restarts): not held, the request fails the usual way.
+    broken = ColdStartHold(HoldPolicy(max_held=(0,), timeout_s=600.0), down)
+    await broken.wait(1)  # returns at once even with a bound of 0
+    for h in (hold, never, draining, broken):
         await h.close()
