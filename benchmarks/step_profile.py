@@ -124,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
             "Prefill: one prompt alone, median of 3; prefill_base_s and the rate fitted on two lengths.",
             "cold_start_s: model load + engine build measured here, plus ~3 s for the process and gateway.",
             "Decode step times are medians of single steps: stalls of a shared machine fall outside them.",
-            f"Fitted on batches {FITTED} (the fused decode path); batch {max(BATCHES)} took "
-            f"{short[max(BATCHES)] * 1000:.0f} ms a step (the dense path), so max_num_seqs is {max(FITTED)}.",
+            (f"Fitted on batches {FITTED} (the fused decode path); batch {max(BATCHES)} took "
+            f"{short[max(BATCHES)] * 1000:.0f} ms a step (the dense path), so max_num_seqs is {max(FITTED)}."),
         ],
         "measurements": {
             "decode_step_s_by_batch": {str(b): round(short[b], 6) for b in BATCHES},
