@@ -18,6 +18,7 @@ from benchmarks import (
     ratelimit_admission,
     serve,
     spike,
+    step_profile,
     sweep,
     telemetry_overhead,
     tenancy_overhead,
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     priority.add_arguments(sub)
     prefix_cache.add_arguments(sub)
     spike.add_arguments(sub)
+    step_profile.add_arguments(sub)
     sweep.add_arguments(sub)
     ratelimit_admission.add_arguments(sub)
     tenancy_overhead.add_arguments(sub)

@@ -39,7 +39,11 @@ class ServerProcess:
         startup_timeout_s: float = 300.0,
         auth: bool = False,
         env: dict[str, str] | None = None,
+        ready_path: str = "/readyz",
     ) -> None:
+        """`ready_path`: the probe that must answer 200 before the server counts as up (/healthz for a
+        server that listens long before it can serve, e.g. while it waits for a worker)."""
+        self.ready_path = ready_path
         self.options = options
         self.startup_timeout_s = startup_timeout_s
         self.auth = auth
@@ -82,7 +86,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"sluice serve exited with {self.process.returncode}:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/readyz", timeout=1).status_code == 200:
+                if httpx.get(f"{self.base_url}{self.ready_path}", timeout=1).status_code == 200:
                     return
             time.sleep(0.2)
         raise RuntimeError(f"sluice serve not ready after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")

@@ -115,6 +115,10 @@ class ModelCard(msgspec.Struct, frozen=True):
 class DriverHealth(msgspec.Struct, frozen=True):
     ready: bool  # can serve a request now (/readyz): some engine is up
     detail: str = ""
+    # Not ready yet but capacity is coming (a model loading, a first worker starting): the gateway holds
+    # requests meanwhile (gateway/cold_start.py). False when not ready because something broke (an engine
+    # died and restarts, the driver stopped): then requests fail fast.
+    starting: bool = False
     # False once the driver gave up (an engine in a crash loop): only a restart of the process helps,
     # so /healthz fails and an orchestrator restarts it.
     live: bool = True

@@ -326,7 +326,7 @@ class NativeDriver(Driver):
         alive = [e for e in self.engines if e.alive]
         stats = [e.stats for e in alive if e.stats is not None]
         if self.supervisor is None:
-            return DriverHealth(ready=False, detail="the model is loading")
+            return DriverHealth(ready=False, detail="the model is loading", starting=True)
         if not self.ready:
             return DriverHealth(ready=False, detail="the driver is stopped")
         down = [e for e in self.engines if not e.alive]

@@ -57,6 +57,9 @@ class EngineOptions:
     """Synthetic driver: decode rate per request; 0: unthrottled (--synthetic-tokens-per-second)."""
     synthetic_ttft_s: float | None = None
     """Synthetic driver: time to first token (--synthetic-ttft-ms / 1000)."""
+    synthetic_start_delay_s: float | None = None
+    """Synthetic driver: how long `start()` takes before it is ready, like loading a model: a worker's
+    cold start, for scale from zero (--synthetic-start-delay)."""
 
 
 def overrides(**values: Any) -> dict[str, Any]:

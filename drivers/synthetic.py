@@ -73,6 +73,7 @@ class SyntheticDriver(Driver):
         max_num_seqs: int = 64,  # the native engine's bounds, so both drivers serve alike by default
         max_waiting: int = 256,
         tokenize_s: float = 0.0,  # how long tokenizing a prompt takes (a worker thread sleeps it)
+        start_delay_s: float = 0.0,  # how long start() takes, like a model load (a worker's cold start)
     ) -> None:
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
@@ -88,12 +89,14 @@ class SyntheticDriver(Driver):
         # Extra time tokenizing one prompt takes, in the worker thread (a slow tokenizer, for tests of
         # what happens before dispatch); the word tokenizer itself is fast.
         self.tokenize_s = max(0.0, tokenize_s)
+        self.start_delay_s = max(0.0, start_delay_s)
         self.prompts_tokenized = 0  # tokenize() calls that encoded a prompt, since construction
         self._slots = asyncio.Semaphore(self.max_num_seqs)
         self._live: dict[str, _Live] = {}
         self._running = 0
         self._waiting = 0
         self._started = False
+        self._starting = False
         self._created = int(time.time())
         self._tokens_generated = 0
         self._waiting_tokens = 0
@@ -110,12 +113,19 @@ class SyntheticDriver(Driver):
             max_model_len=o.max_model_len,
             max_num_seqs=o.max_num_seqs,
             max_waiting=o.max_waiting,
+            start_delay_s=o.synthetic_start_delay_s,
         ))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._started = True
+        self._starting = True
+        try:
+            if self.start_delay_s:
+                await asyncio.sleep(self.start_delay_s)  # "loading the model": not ready meanwhile
+            self._started = True
+        finally:
+            self._starting = False
 
     async def stop(self) -> None:
         """Requests still running end with ShuttingDownError."""
@@ -131,7 +141,8 @@ class SyntheticDriver(Driver):
     async def health(self) -> DriverHealth:
         return DriverHealth(
             ready=self._started,
-            detail="synthetic" if self._started else "not started",
+            detail="synthetic" if self._started else "starting" if self._starting else "not started",
+            starting=self._starting,
             running=self._running,
             waiting=self._waiting,
             generation_tokens_per_s=self._generation_rate(),

@@ -9,6 +9,7 @@ import os
 import signal
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from litestar import Litestar, Request
 from litestar.datastructures import State
@@ -27,6 +28,7 @@ from gateway.routes.billing import BILLING_ROUTES
 from gateway.routes.health import HEALTH_ROUTES, METRICS_SECURITY_COMPONENTS
 from gateway.routes.nodes import NODE_DEPENDENCIES, NODE_ROUTES
 from gateway.routes.openai import OPENAI_ROUTES
+from gateway.scaling import ScalingCollector, ScalingMonitor
 from gateway.service import CompletionService
 from gateway.settings import Settings
 from gateway.tenancy import FirstStartKeys, Tenancy
@@ -54,7 +56,13 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
     )
     if settings.telemetry:
         service.observability = observability
+    # Autoscaling signals (vllm:* names, sluice_desired_workers), refreshed when /metrics or /admin/nodes
+    # is read; the formula's TTFT targets are the shedder's.
+    scaling = ScalingMonitor(driver, service.shedder, service.cold_start,
+                             replace(settings.scaling, ttft_targets_s=settings.ttft_targets_s))
+    metrics.registry.register(ScalingCollector(scaling))
     drain = Drain(driver, settings.drain_timeout_s)  # SIGTERM: refuse new, finish or end the rest (drain.py)
+    service.cold_start.stopping = lambda: drain.draining  # requests held for a worker end when it starts
     state = State({"settings": settings, "tenancy": None, "drain": drain})
 
     @asynccontextmanager
@@ -70,6 +78,7 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
                 loading.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await loading
+            await service.cold_start.close()
             await driver.stop()
             observability.shutdown()  # flushes spans still batched
 
@@ -110,6 +119,8 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
             "service": Provide(lambda: service, use_cache=True, sync_to_thread=False),
             "driver": Provide(lambda: driver, use_cache=True, sync_to_thread=False),
             "metrics": Provide(lambda: metrics, use_cache=True, sync_to_thread=False),
+            "scaling": Provide(lambda: scaling, use_cache=True, sync_to_thread=False),
+            "observability": Provide(lambda: observability, use_cache=True, sync_to_thread=False),
             "caller": Provide(provide_labelled_caller),
             "admin": Provide(provide_admin),
             **NODE_DEPENDENCIES,

@@ -132,6 +132,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     p.add_argument(
         "--synthetic-ttft-ms", type=float, default=None, help="synthetic driver: time to first token; default: the driver's"
     )
+    p.add_argument(
+        "--synthetic-start-delay", type=float, default=None,
+        help="synthetic driver: seconds before it turns ready, like a model load (a worker's cold start)",
+    )
     _add_node_arguments(p)
     _add_restart_arguments(p, env)
     p.set_defaults(func=_serve)
@@ -214,6 +218,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         fault_step_delay=delays,
         synthetic_tokens_per_second=args.synthetic_tokens_per_second,
         synthetic_ttft_s=ttft_ms / 1000.0 if ttft_ms is not None else None,
+        synthetic_start_delay_s=args.synthetic_start_delay,
     )
 
 
@@ -280,6 +285,8 @@ def build_parser(env: Settings) -> argparse.ArgumentParser:
     add_billing_commands(sub, lambda: database_url(env))
     # Listed here for `sluice --help`; main() hands everything after `bench` to the benchmarks package.
     sub.add_parser("bench", add_help=False, help="benchmarks (sluice bench --help lists them)")
+    sub.add_parser("simulate", add_help=False,
+                   help="the fleet simulator: scaling policies through a day of traffic (sluice simulate --help)")
     return parser
 
 
@@ -287,10 +294,16 @@ def _run_benchmarks(args: list[str]) -> NoReturn:
     os.execv(sys.executable, [sys.executable, "-m", "benchmarks", *args])
 
 
+def _run_simulator(args: list[str]) -> NoReturn:
+    os.execv(sys.executable, [sys.executable, "-m", "simulator", *args])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         _run_benchmarks(argv[1:])
+    if argv[:1] == ["simulate"]:
+        _run_simulator(argv[1:])
     env = Settings.from_env()
     args = build_parser(env).parse_args(argv)
     result: int = args.func(args, env)

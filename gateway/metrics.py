@@ -65,6 +65,27 @@ class GatewayMetrics:
             buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
         )
 
+        self.cold_start = Counter(
+            "sluice_cold_start_requests",
+            "Requests that found no ready worker, by priority tier and how it ended: served once a worker "
+            "was ready, refused because the tier's hold was full, or timed out (gateway/cold_start.py)",
+            ["priority", "outcome"],
+            registry=self.registry,
+        )
+        self.cold_start_wait = Histogram(
+            "sluice_cold_start_wait_seconds",
+            "Time requests waited for a first worker",
+            registry=self.registry,
+            buckets=(0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
+        )
+
+    # -- gateway.cold_start.HoldMetrics ----------------------------------------------------------
+
+    def held(self, tier: int, outcome: str, waited_s: float) -> None:
+        self.cold_start.labels(priority=str(tier), outcome=str(outcome)).inc()
+        if waited_s > 0:
+            self.cold_start_wait.observe(waited_s)
+
     # -- gateway.load_shedding.SheddingMetrics ---------------------------------------------------
 
     def shed(self, priority: int, reason: str) -> None:

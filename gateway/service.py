@@ -24,6 +24,7 @@ import msgspec
 
 from drivers.base import Driver, DriverError
 from gateway.admission import TenantGate
+from gateway.cold_start import ColdStartHold, Readiness
 from gateway.errors import error_from_driver
 from gateway.fanout import LifetimeExceededError
 from gateway.load_shedding import LoadShedder, SheddingPolicy
@@ -70,6 +71,14 @@ class CompletionService:
         self.shedder = LoadShedder(
             SheddingPolicy(settings.ttft_targets_s, settings.queue_share, settings.load_shedding), metrics
         )
+        # No ready worker: requests wait here for one, bounded per tier and in time (scale from zero).
+        self.cold_start = ColdStartHold(settings.cold_start, self._driver_ready, metrics)
+
+    async def _driver_ready(self) -> Readiness:
+        health = await self.driver.health()
+        if health.ready:
+            return Readiness.READY
+        return Readiness.STARTING if health.starting and health.live else Readiness.DOWN
 
     async def chat(
         self,
@@ -108,6 +117,9 @@ class CompletionService:
         serving = Serving(self.driver, self.settings, self.metrics, self.shedder, self.gate, self.observability)
         async with RequestScope(serving, rid, caller, arrival or Arrival.now(), body.model) as scope:
             await scope.admit()
+            # Before the plan: checking and tokenizing need a worker's model. The tier as prepare() sets it.
+            tier = max(caller.priority if caller is not None else 0, body.priority or 0)
+            await self.cold_start.wait(tier)
             dispatch = await scope.prepare(lambda: plan(body, rid, self.driver))
             await scope.reserve()
             await scope.open()

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from billing.config import BillingConfig
 from drivers.options import EngineOptions, overrides
 from drivers.supervisor import RestartPolicy
+from gateway.cold_start import HoldPolicy
+from scaling.desired import ScalingPolicy
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,14 @@ class Settings:
     queue_share: tuple[float, ...] = (1.0, 0.9, 0.75)
     """Fraction of the waiting queue's bounds each tier may fill, so lower tiers leave headroom to higher
     ones (SLUICE_QUEUE_SHARE, comma-separated)."""
+    cold_start: HoldPolicy = field(default_factory=HoldPolicy)
+    """Scale from zero: how many requests per tier wait for a first ready worker, and for how long
+    (SLUICE_COLD_HOLD_MAX, SLUICE_COLD_HOLD_TIMEOUT_S). See gateway/cold_start.py."""
+    scaling: ScalingPolicy = field(default_factory=ScalingPolicy)
+    """Targets of the desired-workers signal (SLUICE_SCALING_HEADROOM, SLUICE_SCALING_KV_TARGET,
+    SLUICE_SCALING_OCCUPANCY_TARGET, SLUICE_SCALING_PREFILL_TARGET, SLUICE_SCALING_MIN_WORKERS,
+    SLUICE_SCALING_MAX_WORKERS, SLUICE_SCALING_MAX_STEP_UP); its TTFT
+    targets are `ttft_targets_s`. See scaling/desired.py."""
     log_level: str = "INFO"
     """Root log level (SLUICE_LOG_LEVEL)."""
     max_default_tokens: int = 4096
@@ -116,6 +126,20 @@ class Settings:
             load_shedding=e.get("SLUICE_LOAD_SHEDDING", "1").lower() not in ("0", "false", "off", "no"),
             ttft_targets_s=_floats(e.get("SLUICE_TTFT_TARGETS_S"), d.ttft_targets_s),
             queue_share=_floats(e.get("SLUICE_QUEUE_SHARE"), d.queue_share),
+            cold_start=HoldPolicy(
+                max_held=tuple(int(v) for v in _floats(e.get("SLUICE_COLD_HOLD_MAX"), d.cold_start.max_held)),
+                timeout_s=float(e.get("SLUICE_COLD_HOLD_TIMEOUT_S", d.cold_start.timeout_s)),
+            ),
+            scaling=ScalingPolicy(
+                ttft_targets_s=_floats(e.get("SLUICE_TTFT_TARGETS_S"), d.ttft_targets_s),
+                headroom=float(e.get("SLUICE_SCALING_HEADROOM", d.scaling.headroom)),
+                kv_target=float(e.get("SLUICE_SCALING_KV_TARGET", d.scaling.kv_target)),
+                occupancy_target=float(e.get("SLUICE_SCALING_OCCUPANCY_TARGET", d.scaling.occupancy_target)),
+                prefill_target=float(e.get("SLUICE_SCALING_PREFILL_TARGET", d.scaling.prefill_target)),
+                min_workers=int(e.get("SLUICE_SCALING_MIN_WORKERS", d.scaling.min_workers)),
+                max_workers=int(e.get("SLUICE_SCALING_MAX_WORKERS", d.scaling.max_workers)),
+                max_step_up=float(e.get("SLUICE_SCALING_MAX_STEP_UP", d.scaling.max_step_up)),
+            ),
             log_level=e.get("SLUICE_LOG_LEVEL", d.log_level).upper(),
             max_default_tokens=int(e.get("SLUICE_MAX_DEFAULT_TOKENS", d.max_default_tokens)),
             stream_timeout_s=float(e.get("SLUICE_STREAM_TIMEOUT_S", d.stream_timeout_s)),

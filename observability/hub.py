@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from drivers.base import GenerationRequest, NodesReport
+from observability.length_view import LengthLatencyView
 from observability.metrics import NodeCollector, OtlpMirror, ServingMetrics, TenantLabel
 from observability.timeline import ChoiceTimeline, RequestTimeline
 from observability.tracing import RequestTracer
@@ -45,6 +46,7 @@ class Observability:
         if config.otlp_endpoint:
             mirror = OtlpMirror(config.otlp_endpoint, nodes, config.service_name, config.metrics_export_interval_s)
         self.metrics = ServingMetrics(registry, config.tenant_label_cap, mirror, config.tenant_label)
+        self.by_length = LengthLatencyView()  # TTFT / ITL by token length per minute: the console's view
         registry.register(NodeCollector(nodes))
         self.tracer = tracer or RequestTracer.create(config.otlp_endpoint, config.service_name)
 
@@ -77,6 +79,7 @@ class Observability:
         """Record metrics and the trace; returns fields for the request's log line."""
         ended = time.time()
         self.metrics.observe(timeline, outcome, ended)
+        self.by_length.observe(timeline)
         fields: dict[str, object] = {"node": ",".join(sorted({c.node for c in timeline.choices if c.node}))}
         if self.tracer is not None:
             fields["trace_id"] = self.tracer.record(timeline, outcome, ended)

@@ -19,6 +19,7 @@ from drivers.base import Driver, DriverHealth
 from gateway.auth import bearer_token
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import error_responses
+from gateway.scaling import ScalingMonitor
 from gateway.settings import Settings
 from tenants.errors import AuthenticationError
 
@@ -82,7 +83,11 @@ async def provide_metrics_reader(request: Request) -> None:
     dependencies={"metrics_reader": Provide(provide_metrics_reader)},
     responses=error_responses(401),
 )
-async def metrics(metrics: NamedDependency[GatewayMetrics], metrics_reader: NamedDependency[None]) -> Response[bytes]:
+async def metrics(
+    metrics: NamedDependency[GatewayMetrics], scaling: NamedDependency[ScalingMonitor],
+    metrics_reader: NamedDependency[None],
+) -> Response[bytes]:
+    await scaling.refresh()  # the autoscaling gauges as of this scrape
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -12,9 +12,12 @@ from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, JSONBody
 from msgspec import Meta
 
-from drivers.base import Driver, NodesReport
+from drivers.base import Driver
 from gateway.auth import ADMIN_SECURITY, provide_admin
 from gateway.openapi import error_responses
+from gateway.scaling import NodesView, ScalingMonitor
+from observability.hub import Observability
+from observability.length_view import LengthLatencyReport
 
 
 class FaultIn(msgspec.Struct, forbid_unknown_fields=True):
@@ -34,10 +37,11 @@ async def provide_node_admin(request: Request) -> None:
 
 
 @get("/admin/nodes", security=ADMIN_SECURITY, tags=["admin"], responses=error_responses(401, 403))
-async def list_nodes(driver: NamedDependency[Driver], node_admin: NamedDependency[None]) -> NodesReport:
+async def list_nodes(scaling: NamedDependency[ScalingMonitor], node_admin: NamedDependency[None]) -> NodesView:
     """Every engine node: status (healthy, sluggish, stalled, dead), load, latency over the health
-    window, why it is flagged; and the latest flag/unflag events."""
-    return driver.nodes()
+    window, why it is flagged; the latest flag/unflag events; and the autoscaling signal (`scaling`:
+    desired workers and what decided it, docs/scaling.md)."""
+    return await scaling.nodes_view()
 
 
 @post(
@@ -56,5 +60,14 @@ async def set_fault(
     return FaultOut(node_id, data.step_delay_s, data.stall)
 
 
-NODE_ROUTES = [list_nodes, set_fault]
+@get("/admin/latency/by-length", security=ADMIN_SECURITY, tags=["admin"], responses=error_responses(401, 403))
+async def latency_by_length(
+    observability: NamedDependency[Observability], node_admin: NamedDependency[None]
+) -> LengthLatencyReport:
+    """TTFT and inter-token latency per minute of the last hour, by prompt-length bucket, and
+    inter-token latency by output position (p50 / p90 / count): the console's Latency tab."""
+    return observability.by_length.report()
+
+
+NODE_ROUTES = [list_nodes, set_fault, latency_by_length]
 NODE_DEPENDENCIES = {"node_admin": Provide(provide_node_admin)}

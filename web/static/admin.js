@@ -1,7 +1,7 @@
 // The admin's view: tenants (keys issued and revoked, usage, Stripe link and billed usage), nodes and
 // their health, models, the billing relay.
 
-import { barChart, COLORS, meter } from "./charts.js";
+import { barChart, COLORS, lineChart, meter } from "./charts.js";
 import { fmtInt, fmtMs, fmtTime, h, replace } from "./dom.js";
 import { api } from "./api.js";
 import { billedPanel, relayTab } from "./billing.js";
@@ -14,7 +14,7 @@ const NODE_REFRESH_MS = 5000;
 export async function adminView(root, fail) {
   const panel = h("div", { class: "panel" });
   let timer = null;
-  const tabs = { tenants: tenantsTab, nodes: nodesTab, models: modelsTab, billing: relayTab };
+  const tabs = { tenants: tenantsTab, nodes: nodesTab, latency: latencyTab, models: modelsTab, billing: relayTab };
   const nav = h("nav", { class: "tabs" }, Object.keys(tabs).map((name) =>
     h("button", { "data-tab": name, onclick: () => show(name) }, name[0].toUpperCase() + name.slice(1))));
   async function show(name) {
@@ -179,11 +179,24 @@ async function nodesTab(panel, fail) {
   return setInterval(refresh, NODE_REFRESH_MS);
 }
 
-function nodesPanel({ nodes = [], events = [] }) {
+function scalingCard(scaling) {
+  if (!scaling) return null;
+  const held = Object.values(scaling.held_by_priority ?? {}).reduce((a, b) => a + b, 0);
+  const stat = (metric, label, value) => h("div", { class: "card stat", "data-metric": metric, "data-value": value },
+    h("div", { class: "stat-label" }, label), h("div", { class: "stat-value" }, String(value)));
+  return h("div", { class: "stats", "data-view": "scaling" },
+    stat("desired_workers", `desired workers (${scaling.driver})`, scaling.desired_workers),
+    stat("ready_workers", "ready workers", scaling.ready_workers),
+    stat("waiting", "waiting (held)", `${fmtInt(scaling.waiting)} (${fmtInt(held)})`),
+    stat("kv_cache_usage", "KV cache used", `${Math.round((scaling.kv_cache_usage ?? 0) * 100)}%`));
+}
+
+function nodesPanel({ nodes = [], events = [], scaling = null }) {
   const counts = {};
   for (const n of nodes) counts[n.status] = (counts[n.status] ?? 0) + 1;
   const ids = nodes.map((n) => String(n.id));
   return h("div", { "data-view": "nodes" },
+    scalingCard(scaling),
     h("div", { class: "stats" }, ["healthy", "sluggish", "stalled", "dead"].map((st) =>
       h("div", { class: `card stat ${st}`, "data-metric": `nodes_${st}`, "data-value": counts[st] ?? 0 },
         h("div", { class: "stat-label" }, st), h("div", { class: "stat-value" }, fmtInt(counts[st] ?? 0))))),
@@ -215,6 +228,45 @@ function nodesPanel({ nodes = [], events = [] }) {
       h("tbody", {}, events.length ? [...events].reverse().map((e) => h("tr", {},
         h("td", {}, fmtTime(e.time)), h("td", { class: "mono" }, e.node), h("td", {}, h("span", { class: `badge ${e.kind}` }, e.kind)), h("td", {}, e.reason ?? "")))
         : h("tr", {}, h("td", { colspan: 4, class: "muted" }, "No events")))));
+}
+
+// -- latency by token length -------------------------------------------------------------------
+
+const BUCKET_COLORS = ["#4e79a7", "#59a14f", "#f28e2b", "#e15759", "#b07aa1"];
+
+async function latencyTab(panel, fail) {
+  const body = h("div", {});
+  const refresh = async () => {
+    try {
+      replace(body, latencyPanel(await api("/admin/latency/by-length")));
+    } catch (e) {
+      fail(e, body);
+    }
+  };
+  replace(panel, h("div", { class: "toolbar" }, h("h2", {}, "Latency by token length"),
+    h("span", { class: "muted" }, "p90 per minute, last hour; refreshes every 5 s")), body);
+  await refresh();
+  return setInterval(refresh, NODE_REFRESH_MS);
+}
+
+function latencyPanel(report) {
+  // Only the minutes that saw requests, so the lines are not lost in an empty hour.
+  const used = report.minutes.map((_, i) => [report.ttft_by_prompt, report.itl_by_prompt, report.itl_by_position]
+    .some((lines) => lines.some((l) => l.points[i] !== null))).map((u, i) => (u ? i : -1)).filter((i) => i >= 0);
+  const categories = used.map((i) => fmtTime(report.minutes[i]).slice(11, 16));
+  const chart = (id, title, lines, note) => lineChart({
+    id, title, categories, unit: " ms", note,
+    series: lines.map((l, k) => ({
+      key: l.bucket, name: l.bucket, color: BUCKET_COLORS[k % BUCKET_COLORS.length],
+      values: used.map((i) => (l.points[i] === null ? null : l.points[i].p90_ms)),
+    })),
+  });
+  return h("div", { "data-view": "latency" },
+    h("div", { class: "charts" },
+      chart("ttft-by-prompt", "TTFT p90 by prompt length (tokens)", report.ttft_by_prompt,
+        "a line rising alone: long prompts regress"),
+      chart("itl-by-prompt", "Inter-token latency p90 by prompt length (tokens)", report.itl_by_prompt),
+      chart("itl-by-position", "Inter-token latency p90 by output position (token)", report.itl_by_position)));
 }
 
 // -- models -------------------------------------------------------------------------------------
