@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from drivers.fleet.config import FleetConfig
 from drivers.supervisor import RestartPolicy
 from observability.node_health import NodeHealthConfig
 
@@ -57,6 +58,9 @@ class EngineOptions:
     """Synthetic driver: decode rate per request; 0: unthrottled (--synthetic-tokens-per-second)."""
     synthetic_ttft_s: float | None = None
     """Synthetic driver: time to first token (--synthetic-ttft-ms / 1000)."""
+    fleet: FleetConfig | None = None
+    """Fleet driver: where the workers are and how requests are routed among them (--workers,
+    --fleet-* flags, SLUICE_FLEET_*; docs/fleet.md)."""
 
 
 def overrides(**values: Any) -> dict[str, Any]:
