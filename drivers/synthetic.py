@@ -224,6 +224,8 @@ class SyntheticDriver(Driver):
         prompt_ids = request.tokenized_prompt
         if prompt_ids is None:
             prompt_ids = await self.tokenize(request)
+        elif any(not 0 <= t < len(VOCAB) for t in prompt_ids):  # ids from afar (a fleet worker's wire)
+            raise InvalidRequestError(f"Token ids must be in [0, {len(VOCAB)}): out of vocabulary", "prompt")
         budget = self._budget(request, len(prompt_ids))
         self._admit(request.request_id)  # synchronous: check-and-enqueue cannot interleave
         arrival = time.time()

@@ -212,7 +212,8 @@ class WorkerApp:
         given = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
-                given = value.removeprefix(b"Bearer ").strip()
+                scheme, _, token = value.partition(b" ")
+                given = token.strip() if scheme.lower() == b"bearer" else b""
         # Constant time: the comparison must not tell an attacker how many leading bytes were right.
         if not hmac.compare_digest(given, self._secret):
             raise Refused(ErrorKind.UNAUTHORIZED, "missing or wrong fleet secret")
@@ -275,21 +276,32 @@ class WorkerApp:
         self.in_flight += 1
         self.metrics.in_flight.inc()
         self._idle.clear()
+        outcome = "refused"
         try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/x-ndjson")]})
-            outcome = await self._stream(request, sub.deadline, receive, send)
-            self.metrics.requests.labels(outcome).inc()
+            stream = self.driver.generate(request)
+            # aclosing: however this ends (finished, refused, gateway gone), the driver's stream is
+            # closed, and closing it aborts the request in the engine.
+            async with contextlib.aclosing(_with_keepalive(stream, self.settings.keepalive_s)) as events:
+                # The status waits for the first event: a refusal before any output (bad ids, queue
+                # full) is a proper 4xx / 503; after that it would be a FailureEvent line.
+                first = await anext(events, None)
+                if isinstance(first, DriverError):
+                    raise refusal(first)
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"application/x-ndjson")]})
+                outcome = await self._stream(first, events, sub.deadline, receive, send)
         finally:
+            self.metrics.requests.labels(outcome).inc()
             self.in_flight -= 1
             self.metrics.in_flight.dec()
             if self.in_flight == 0:
                 self._idle.set()
 
-    async def _stream(self, request: GenerationRequest, deadline: float | None, receive: Receive, send: Send) -> str:
-        """Pump the driver's chunks into lines until the end, or until the gateway hangs up (then the
-        pump is cancelled, which closes the driver's stream: the engine aborts the request)."""
-        pump = asyncio.create_task(self._pump(request, deadline, send))
+    async def _stream(self, first: _Event | None, events: AsyncIterator[_Event], deadline: float | None,
+                      receive: Receive, send: Send) -> str:
+        """Pump events into lines until the end, or until the gateway hangs up (then the pump is
+        cancelled and the caller closes the driver's stream: the engine aborts the request)."""
+        pump = asyncio.create_task(self._send_events(first, events, deadline, send))
         gone = asyncio.create_task(_disconnected(receive))
         try:
             done, _ = await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -298,21 +310,16 @@ class WorkerApp:
                 task.cancel()
             await asyncio.gather(pump, gone, return_exceptions=True)
         if pump in done and not pump.cancelled() and pump.exception() is None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(OSError):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             return pump.result()
         return "disconnected"
 
-    async def _pump(self, request: GenerationRequest, deadline: float | None, send: Send) -> str:
-        stream = self.driver.generate(request)
-        # aclosing: a pump cancelled between two events still closes the driver's stream (abort).
-        async with contextlib.aclosing(_with_keepalive(stream, self.settings.keepalive_s)) as events:
-            return await self._send_events(events, deadline, send)
-
     async def _send_events(
-        self, events: AsyncIterator[GenerationChunk | wire.KeepAlive | DriverError], deadline: float | None, send: Send
+        self, first: _Event | None, events: AsyncIterator[_Event], deadline: float | None, send: Send
     ) -> str:
-        async for item in events:
+        item = first
+        while item is not None:
             if deadline is not None and time.time() > deadline:
                 await _line(send, wire.FailureEvent(kind=ErrorKind.OVERLOADED, message="deadline passed"))
                 return "deadline"
@@ -328,7 +335,11 @@ class WorkerApp:
                 await _line(send, _tokens_event(item))
                 if item.finish_reason is not None:
                     return "finished"
+            item = await anext(events, None)
         return "ended"
+
+
+_Event = GenerationChunk | wire.KeepAlive | DriverError
 
 
 class _BodyTooLarge(Exception):

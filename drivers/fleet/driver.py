@@ -59,6 +59,8 @@ JOIN_WAIT_S = 5.0  # start() waits this long for a first ready worker (readiness
 class FleetDriver(Driver):
     def __init__(self, config: FleetConfig) -> None:
         self.config = config
+        # httpx logs every request at INFO: a line per token stream and per membership poll.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         self.monitor = NodeHealthMonitor([], config.node_health)
         self.router = FleetRouter(config.router, self.monitor)
         self.membership: Membership
