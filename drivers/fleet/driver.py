@@ -124,7 +124,8 @@ class FleetDriver(Driver):
                                     prompt_token_ids=request.prompt_token_ids, messages=request.messages)
         tried: list[str] = []
         while True:
-            worker = self._pick(request.model, [], request.tenant_id, tried)
+            # The least-loaded worker, whatever the policy: tokenizing takes no KV and no turn.
+            worker = self._pick(request.model, [], request.tenant_id, tried, any_worker=True)
             try:
                 return await self.client.tokenize(worker.address, body)
             except WorkerLost as exc:
@@ -137,13 +138,18 @@ class FleetDriver(Driver):
                     raise _driver_error(exc, request.model) from exc
                 tried.append(worker.id)
 
-    def _pick(self, model: str, prompt: list[int], tenant_id: str | None, tried: list[str]) -> WorkerInfo:
+    def _pick(
+        self, model: str, prompt: list[int], tenant_id: str | None, tried: list[str], any_worker: bool = False
+    ) -> WorkerInfo:
         view = self.membership.view
         try:
             candidates = self.router.candidates(view, model, time.time(), tried)
         except NoWorkerError as exc:
             raise EngineDeadError(str(exc)) from exc
-        worker = self.router.pick(candidates, prompt, tenant_id, view)
+        if any_worker:
+            worker = min(candidates, key=lambda c: (self.router.load(c), c.id))
+        else:
+            worker = self.router.pick(candidates, prompt, tenant_id, view)
         self._breaker(worker.id).picked()
         return worker
 

@@ -45,7 +45,7 @@ class WorkerProcess:
         self.worker_id = worker_id
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._log: IO[bytes] = tempfile.TemporaryFile()
+        self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         cmd = [SLUICE, "worker", "--host", "127.0.0.1", "--port", str(self.port), "--worker-id", worker_id,
                "--log-level", "WARNING", *options]
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
