@@ -1,0 +1,56 @@
+"""The bundled model behind the fleet: two `sluice worker --driver native` processes and a gateway.
+Greedy streams through the fleet equal single-node output (one worker asked directly over the
+wire), and still do when the worker serving them is killed with SIGKILL mid-stream: the requests
+resume on the other worker from the prompt plus the tokens already sent.
+
+Kept small for the suite's budget: 4 streams of 24 tokens, one engine thread per worker, steps
+slowed by 50 ms so that the kill lands mid-stream."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import msgspec
+from fleet_processes import Stream, gateway, nodes, wait_for, workers
+
+from drivers.fleet import wire
+
+MODEL = "smollm2-135m-instruct"
+MAX_TOKENS = 24
+PROMPTS = [
+    "The three primary colours are",
+    "Count: 1, 2, 3,",
+    "The capital of France is",
+    "Water boils at a temperature of",
+]
+NATIVE = ["--driver", "native", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--num-threads", "1",
+          "--fault-step-delay", "node-0=0.05"]
+
+
+def single_node(url: str, prompt: str) -> str:
+    """The worker's own greedy answer, asked directly: no fleet, no failover."""
+    ids = httpx.post(url + wire.TOKENIZE_PATH, json={"model": MODEL, "prompt": prompt}, timeout=60).json()["token_ids"]
+    body = wire.SubmitRequest(request_id=f"ref-{prompt}", model=MODEL, prompt_token_ids=ids,
+                              sampling=wire.SamplingSpec(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    r = httpx.post(url + wire.GENERATE_PATH, content=msgspec.json.encode(body), timeout=120)
+    events = [wire.STREAM_DECODER.decode(line) for line in r.text.splitlines()]
+    return "".join(e.text for e in events if isinstance(e, wire.TokensEvent))
+
+
+def test_greedy_through_the_fleet_equals_single_node_even_across_a_kill_9() -> None:
+    with workers(2, *NATIVE, prefix="n", startup_timeout_s=300) as ws, \
+            gateway("--workers", ",".join(w.url for w in ws), "--fleet-policy", "least-loaded") as base:
+        wait_for("both workers in the view", lambda: len(nodes(base)) == 2)
+        reference = [single_node(ws[0].url, p) for p in PROMPTS]
+        body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        streams = [Stream(base, {**body, "prompt": p}).start() for p in PROMPTS]
+        for s in streams:
+            assert s.started.wait(120)
+        busy = max(nodes(base), key=lambda n: int(str(n["in_flight"])))
+        assert int(str(busy["in_flight"])) > 0
+        next(w for w in ws if w.worker_id == busy["id"]).signal(signal.SIGKILL)
+        for s, want in zip(streams, reference, strict=True):
+            s.join()
+            assert s.error is None, s.error
+            assert (s.text, s.completion_tokens) == (want, MAX_TOKENS)
