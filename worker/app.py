@@ -19,7 +19,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -348,7 +348,7 @@ class _BodyTooLarge(Exception):
 
 async def _with_keepalive(
     stream: AsyncIterator[GenerationChunk], every_s: float
-) -> AsyncIterator[GenerationChunk | wire.KeepAlive | DriverError]:
+) -> AsyncGenerator[GenerationChunk | wire.KeepAlive | DriverError, None]:
     """The stream's chunks, a KeepAlive whenever none came for `every_s`, and its DriverError (last)."""
     it = aiter(stream)
     pending: asyncio.Future[GenerationChunk] | None = None

@@ -15,7 +15,7 @@ no, with an `ErrorKind` that says whether another worker may say yes).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import httpx
@@ -79,7 +79,7 @@ class WorkerClient:
 
     async def stream(
         self, address: str, request: wire.SubmitRequest, headers: dict[str, str] | None = None
-    ) -> AsyncIterator[wire.TokensEvent]:
+    ) -> AsyncGenerator[wire.TokensEvent, None]:
         """The request's token events up to the one with `finish_reason`; closing it early closes the
         connection, which aborts the request on the worker."""
         t = self.timeouts

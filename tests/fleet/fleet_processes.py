@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import TypeVar
 
 import httpx
 
 from benchmarks.server_process import ServerProcess, free_port
+from benchmarks.worker_process import WorkerProcess as BaseWorkerProcess
 
 SLUICE = str(Path(sys.executable).parent / "sluice")
 HANG_S = 60.0  # a deadline that only catches hangs
@@ -37,36 +35,10 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = HANG_S
     raise AssertionError(f"not reached within {timeout_s:.0f} s: {what}")
 
 
-class WorkerProcess:
-    """`sluice worker` in its own process group; ready once /readyz says so."""
-
+class WorkerProcess(BaseWorkerProcess):
     def __init__(self, worker_id: str, options: list[str], env: dict[str, str] | None = None,
-                 startup_timeout_s: float = HANG_S, port: int | None = None) -> None:
-        self.worker_id = worker_id
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
-        cmd = [SLUICE, "worker", "--host", "127.0.0.1", "--port", str(self.port), "--worker-id", worker_id,
-               "--log-level", "WARNING", *options]
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
-        try:
-            wait_for(f"worker {worker_id} ready", self._ready, startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _ready(self) -> bool:
-        if self.process.poll() is not None:
-            raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.log_tail()}")
-        return httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200
-
-    def log_tail(self, chars: int = 3000) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")[-chars:]
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.process.pid, sig)
+                 startup_timeout_s: float = HANG_S) -> None:
+        super().__init__(worker_id, options, env, startup_timeout_s)
 
     def served(self) -> int:
         """Generate streams this worker finished (its own /metrics)."""
@@ -76,19 +48,6 @@ class WorkerProcess:
             if line.startswith('sluice_worker_requests_total{outcome="finished"}'):
                 total += float(line.split()[-1])
         return int(total)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.process.pid, signal.SIGCONT)  # a stopped one cannot handle SIGTERM
-            self.process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(5)
-        self._log.close()
 
 
 @contextlib.contextmanager
