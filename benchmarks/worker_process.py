@@ -27,7 +27,7 @@ class WorkerProcess:
     """`sluice worker` in its own process group, output to a temporary log; ready once /readyz says so."""
 
     def __init__(self, worker_id: str, options: list[str], env: dict[str, str] | None = None,
-                 startup_timeout_s: float = 60.0) -> None:
+                 startup_timeout_s: float = 60.0, wait: bool = True) -> None:
         self.worker_id = worker_id
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -37,8 +37,13 @@ class WorkerProcess:
                "--log-level", "WARNING", *options]
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+        if wait:
+            self.wait_ready(startup_timeout_s)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until /readyz says 200; stops the process and raises if it exits or takes too long."""
         try:
-            self._wait_ready(startup_timeout_s)
+            self._wait_ready(timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -89,10 +94,13 @@ class WorkerProcess:
 @contextlib.contextmanager
 def worker_processes(count: int, *options: str, prefix: str = "w", env: dict[str, str] | None = None,
                      startup_timeout_s: float = 60.0) -> Iterator[list[WorkerProcess]]:
+    """`count` workers started side by side (model loads overlap), all ready."""
     started: list[WorkerProcess] = []
     try:
         for i in range(count):
-            started.append(WorkerProcess(f"{prefix}{i}", list(options), env, startup_timeout_s))
+            started.append(WorkerProcess(f"{prefix}{i}", list(options), env, startup_timeout_s, wait=False))
+        for w in started:
+            w.wait_ready(startup_timeout_s)
         yield started
     finally:
         for w in started:

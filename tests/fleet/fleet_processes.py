@@ -37,8 +37,8 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = HANG_S
 
 class WorkerProcess(BaseWorkerProcess):
     def __init__(self, worker_id: str, options: list[str], env: dict[str, str] | None = None,
-                 startup_timeout_s: float = HANG_S) -> None:
-        super().__init__(worker_id, options, env, startup_timeout_s)
+                 startup_timeout_s: float = HANG_S, wait: bool = True) -> None:
+        super().__init__(worker_id, options, env, startup_timeout_s, wait)
 
     def served(self) -> int:
         """Generate streams this worker finished (its own /metrics)."""
@@ -53,10 +53,13 @@ class WorkerProcess(BaseWorkerProcess):
 @contextlib.contextmanager
 def workers(count: int, *options: str, prefix: str = "w", env: dict[str, str] | None = None,
             startup_timeout_s: float = HANG_S) -> Iterator[list[WorkerProcess]]:
+    """`count` workers started side by side (model loads overlap), all ready."""
     started: list[WorkerProcess] = []
     try:
         for i in range(count):
-            started.append(WorkerProcess(f"{prefix}{i}", list(options), env, startup_timeout_s))
+            started.append(WorkerProcess(f"{prefix}{i}", list(options), env, startup_timeout_s, wait=False))
+        for w in started:
+            w.wait_ready(startup_timeout_s)
         yield started
     finally:
         for w in started:
