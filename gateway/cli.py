@@ -177,6 +177,13 @@ def _add_fleet_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
 
 
 def fleet_config(args: argparse.Namespace, env: Settings, node_health: NodeHealthConfig) -> FleetConfig:
+    try:
+        return _fleet_config(args, env, node_health)
+    except ValueError as exc:  # a misconfigured fleet is a usage error, not a traceback
+        raise SystemExit(f"sluice: {exc}") from None
+
+
+def _fleet_config(args: argparse.Namespace, env: Settings, node_health: NodeHealthConfig) -> FleetConfig:
     from drivers.fleet.breaker import BreakerConfig
     from drivers.fleet.client import FleetTimeouts
     from drivers.fleet.config import FleetConfig
