@@ -19,7 +19,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -277,107 +277,99 @@ class WorkerApp:
         self.metrics.in_flight.inc()
         self._idle.clear()
         outcome = "refused"
+        stream = aiter(self.driver.generate(request))
+        first = asyncio.ensure_future(_next(stream))
         try:
-            stream = self.driver.generate(request)
-            # aclosing: however this ends (finished, refused, gateway gone), the driver's stream is
-            # closed, and closing it aborts the request in the engine.
-            async with contextlib.aclosing(_with_keepalive(stream, self.settings.keepalive_s)) as events:
-                # The status waits for the first event: a refusal before any output (bad ids, queue
-                # full) is a proper 4xx / 503; after that it would be a FailureEvent line.
-                first = await anext(events, None)
-                if isinstance(first, DriverError):
-                    raise refusal(first)
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", b"application/x-ndjson")]})
-                outcome = await self._stream(first, events, sub.deadline, receive, send)
+            # The status waits for the first chunk (up to one keepalive period): a refusal before any
+            # output (bad ids, queue full) is a proper 4xx / 503; after that it is a FailureEvent line.
+            await asyncio.wait({first}, timeout=self.settings.keepalive_s)
+            if first.done() and isinstance(first.exception(), DriverError):
+                raise refusal(first.exception())  # type: ignore[arg-type]
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/x-ndjson")]})
+            outcome = await self._stream(first, stream, sub.deadline, receive, send)
         finally:
+            if not first.done():
+                first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            # However this ended (finished, refused, gateway gone), close the driver's stream: closing
+            # it aborts the request in the engine.
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(DriverError):
+                    await aclose()
             self.metrics.requests.labels(outcome).inc()
             self.in_flight -= 1
             self.metrics.in_flight.dec()
             if self.in_flight == 0:
                 self._idle.set()
 
-    async def _stream(self, first: _Event | None, events: AsyncIterator[_Event], deadline: float | None,
-                      receive: Receive, send: Send) -> str:
-        """Pump events into lines until the end, or until the gateway hangs up (then the pump is
-        cancelled and the caller closes the driver's stream: the engine aborts the request)."""
-        pump = asyncio.create_task(self._send_events(first, events, deadline, send))
+    async def _stream(self, first: asyncio.Future[GenerationChunk | None], stream: AsyncIterator[GenerationChunk],
+                      deadline: float | None, receive: Receive, send: Send) -> str:
+        """Pump chunks into lines until the end, or until the gateway hangs up (then the pump is
+        cancelled and the caller closes the driver's stream: the engine aborts the request). A
+        ticker beside it sends a keepalive whenever no line went out for a keepalive period."""
+        clock = _LastSent(asyncio.get_running_loop().time())
+        pump = asyncio.create_task(self._send_events(first, stream, deadline, send, clock))
         gone = asyncio.create_task(_disconnected(receive))
+        ticker = asyncio.create_task(self._keepalives(send, clock))
         try:
             done, _ = await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (pump, gone):
+            for task in (pump, gone, ticker):
                 task.cancel()
-            await asyncio.gather(pump, gone, return_exceptions=True)
+            await asyncio.gather(pump, gone, ticker, return_exceptions=True)
         if pump in done and not pump.cancelled() and pump.exception() is None:
             with contextlib.suppress(OSError):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             return pump.result()
         return "disconnected"
 
-    async def _send_events(
-        self, first: _Event | None, events: AsyncIterator[_Event], deadline: float | None, send: Send
-    ) -> str:
-        item = first
-        while item is not None:
-            if deadline is not None and time.time() > deadline:
-                await _line(send, wire.FailureEvent(kind=ErrorKind.OVERLOADED, message="deadline passed"))
-                return "deadline"
-            if isinstance(item, wire.KeepAlive):
-                await _line(send, item)
-            elif isinstance(item, DriverError):
-                body = refusal(item).body
-                await _line(send, wire.FailureEvent(kind=body.kind, message=body.message,
-                                                    retry_after=body.retry_after))
-                return str(body.kind)
-            else:
-                self.metrics.tokens.inc(len(item.token_ids))
-                await _line(send, _tokens_event(item))
-                if item.finish_reason is not None:
+    async def _keepalives(self, send: Send, clock: _LastSent) -> None:
+        loop, every = asyncio.get_running_loop(), self.settings.keepalive_s
+        while True:
+            await asyncio.sleep(max(0.0, clock.at + every - loop.time()))
+            if loop.time() - clock.at >= every:
+                clock.at = loop.time()
+                await _line(send, wire.KeepAlive(time.time()))
+
+    async def _send_events(self, first: asyncio.Future[GenerationChunk | None], stream: AsyncIterator[GenerationChunk],
+                           deadline: float | None, send: Send, clock: _LastSent) -> str:
+        loop = asyncio.get_running_loop()
+        try:
+            chunk: GenerationChunk | None = await first
+            while chunk is not None:
+                if deadline is not None and time.time() > deadline:
+                    await _line(send, wire.FailureEvent(kind=ErrorKind.OVERLOADED, message="deadline passed"))
+                    return "deadline"
+                self.metrics.tokens.inc(len(chunk.token_ids))
+                clock.at = loop.time()
+                await _line(send, _tokens_event(chunk))
+                if chunk.finish_reason is not None:
                     return "finished"
-            item = await anext(events, None)
+                chunk = await anext(stream, None)
+        except DriverError as exc:
+            body = refusal(exc).body
+            await _line(send, wire.FailureEvent(kind=body.kind, message=body.message, retry_after=body.retry_after))
+            return str(body.kind)
         return "ended"
 
 
-_Event = GenerationChunk | wire.KeepAlive | DriverError
+class _LastSent:
+    """When the stream's last line went out (loop time), shared by the pump and the keepalive ticker."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: float) -> None:
+        self.at = at
 
 
 class _BodyTooLarge(Exception):
     pass
 
 
-async def _with_keepalive(
-    stream: AsyncIterator[GenerationChunk], every_s: float
-) -> AsyncGenerator[GenerationChunk | wire.KeepAlive | DriverError, None]:
-    """The stream's chunks, a KeepAlive whenever none came for `every_s`, and its DriverError (last)."""
-    it = aiter(stream)
-    pending: asyncio.Future[GenerationChunk] | None = None
-    try:
-        while True:
-            pending = asyncio.ensure_future(_next(it))
-            while not pending.done():
-                await asyncio.wait({pending}, timeout=every_s)
-                if not pending.done():
-                    yield wire.KeepAlive(time.time())
-            try:
-                chunk = pending.result()
-            except StopAsyncIteration:
-                return
-            except DriverError as exc:
-                yield exc
-                return
-            yield chunk
-    finally:
-        if pending is not None and not pending.done():
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            await aclose()  # the driver's finally: abort in the engine
-
-
-async def _next(it: AsyncIterator[GenerationChunk]) -> GenerationChunk:
-    return await anext(it)
+async def _next(it: AsyncIterator[GenerationChunk]) -> GenerationChunk | None:
+    return await anext(it, None)
 
 
 def _tokens_event(chunk: GenerationChunk) -> wire.TokensEvent:
