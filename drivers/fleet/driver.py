@@ -245,6 +245,8 @@ class FleetDriver(Driver):
     def _record_itl(self, worker_id: str, event: wire.TokensEvent, last: float | None) -> float | None:
         """Inter-token latency from the worker's own timestamps (the network's jitter is not the
         engine's); returns the time of the event's last token."""
+        if event.token_times:  # the stall watchdog's evidence of life, by this host's clock (no skew)
+            self.monitor.record_progress(worker_id, time.time())
         for t in event.token_times:
             if last is not None:
                 self.monitor.record_itl(worker_id, t, max(0.0, t - last), max(1, self.router.in_flight[worker_id]))
