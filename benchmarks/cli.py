@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from benchmarks import (
+    fleet,
     gateway_overhead,
     prefix_cache,
     priority,
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine = sub.add_parser("engine", add_help=False, help="our engine vs Hugging Face generate (see --help)")
     engine.set_defaults(func=_engine, engine_args=[])
     gateway_overhead.add_arguments(sub)
+    fleet.add_arguments(sub)
     priority.add_arguments(sub)
     prefix_cache.add_arguments(sub)
     spike.add_arguments(sub)

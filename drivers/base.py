@@ -60,6 +60,11 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     # The tenant's fair-share weight within its tier (TenantContext.weight): weight 2 gets twice the
     # tokens of weight 1 when both have work waiting. Must be > 0.
     tenant_weight: float = 1.0
+    # How many trailing ids of `tokenized_prompt` are output the client already has: a request the
+    # fleet resumes on another worker after its first one failed mid-stream (drivers/fleet). The
+    # driver renders the new text in their context (a leading space, a merge) as if it had never
+    # stopped; 0: a fresh request.
+    resumed_output_tokens: int = 0
 
 
 class TopLogprob(msgspec.Struct, frozen=True):
@@ -169,6 +174,12 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     step_delay_s: float = 0.0  # injected fault, if any
     stalled_by_fault: bool = False
     restarts: int = 0  # times its engine was restarted after dying
+    # Fleet workers (drivers/fleet): where it is, its membership state and incarnation, its circuit.
+    address: str | None = None
+    state: str | None = None  # "joining" | "ready" | "draining"
+    incarnation: int | None = None
+    circuit: str | None = None  # "closed" | "open" | "half_open"
+    in_flight: int = 0  # streams this gateway has open on it
 
 
 class NodeEvent(msgspec.Struct, frozen=True):

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from drivers.fleet.config import FleetConfig
 from drivers.supervisor import RestartPolicy
 from observability.node_health import NodeHealthConfig
 
@@ -60,6 +61,9 @@ class EngineOptions:
     synthetic_start_delay_s: float | None = None
     """Synthetic driver: how long `start()` takes before it is ready, like loading a model: a worker's
     cold start, for scale from zero (--synthetic-start-delay)."""
+    fleet: FleetConfig | None = None
+    """Fleet driver: where the workers are and how requests are routed among them (--workers,
+    --fleet-* flags, SLUICE_FLEET_*; docs/fleet.md)."""
 
 
 def overrides(**values: Any) -> dict[str, Any]:

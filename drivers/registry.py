@@ -21,6 +21,7 @@ DriverFactory = Callable[[EngineOptions], Driver]
 _REGISTRY: dict[str, DriverFactory | str] = {
     "synthetic": "drivers.synthetic:SyntheticDriver.from_options",
     "native": "drivers.native:NativeDriver.from_options",
+    "fleet": "drivers.fleet.driver:FleetDriver.from_options",
 }
 
 

@@ -19,6 +19,7 @@ import math
 import random
 import time
 import zlib
+from array import array
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -234,6 +235,8 @@ class SyntheticDriver(Driver):
         prompt_ids = request.tokenized_prompt
         if prompt_ids is None:
             prompt_ids = await self.tokenize(request)
+        elif any(not 0 <= t < len(VOCAB) for t in prompt_ids):  # ids from afar (a fleet worker's wire)
+            raise InvalidRequestError(f"Token ids must be in [0, {len(VOCAB)}): out of vocabulary", "prompt")
         budget = self._budget(request, len(prompt_ids))
         self._admit(request.request_id)  # synchronous: check-and-enqueue cannot interleave
         arrival = time.time()
@@ -265,11 +268,15 @@ class SyntheticDriver(Driver):
     async def _decode(
         self, request: GenerationRequest, prompt_ids: list[int], budget: int, live: _Live, arrival: float
     ) -> AsyncIterator[GenerationChunk]:
-        # temperature 0 is greedy: same prompt -> same output, like a real model.
+        # temperature 0 is greedy: each token is a function of the whole context so far (a running
+        # CRC over prompt and output), like a real model, so a request resumed elsewhere from prompt +
+        # the tokens already sent goes on exactly as it would have (drivers/fleet failover).
+        greedy = request.seed is None and request.temperature == 0
+        context = _context_hash(prompt_ids)
         if request.seed is not None:
             seed: int = request.seed
-        elif request.temperature == 0:
-            seed = zlib.crc32(repr(prompt_ids).encode())
+        elif greedy:
+            seed = context
         else:
             seed = random.getrandbits(32)
         rng = random.Random(seed)
@@ -289,10 +296,14 @@ class SyntheticDriver(Driver):
                     raise ShuttingDownError("The server is shutting down; retry the request", retry_after=1.0)
                 yield self._chunk(request, "", [], len(prompt_ids), i, FinishReason.ABORT, None)
                 return
-            tid = rng.randrange(_FIRST_WORD, len(VOCAB))
+            if greedy:
+                tid = _FIRST_WORD + context % (len(VOCAB) - _FIRST_WORD)
+                context = _context_hash([tid], context)
+            else:
+                tid = rng.randrange(_FIRST_WORD, len(VOCAB))
             first_token_time = first_token_time or time.time()
             search_from = max(0, len(text) - holdback)
-            text += (" " if i else "") + VOCAB[tid]
+            text += (" " if i or request.resumed_output_tokens else "") + VOCAB[tid]
             self._tokens_generated += 1
             finish: FinishReason | None = None
             cut = min((p for p in (text.find(s, search_from) for s in stops) if p >= 0), default=-1)
@@ -360,6 +371,11 @@ class SyntheticDriver(Driver):
             node_id="synthetic",
             token_time=time.time() if token_ids else None,
         )
+
+
+def _context_hash(ids: list[int], running: int = 0) -> int:
+    """CRC-32 of token ids, continued from `running`: hash(a + b) == _context_hash(b, hash(a))."""
+    return zlib.crc32(array("I", ids).tobytes(), running)
 
 
 def _with_times(

@@ -14,10 +14,14 @@ import re
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from drivers.options import EngineOptions
 from gateway.settings import Settings
+
+if TYPE_CHECKING:
+    from drivers.fleet.config import FleetConfig
+    from observability.node_health import NodeHealthConfig
 
 log = logging.getLogger("sluice.cli")
 
@@ -34,9 +38,6 @@ def parse_bytes(text: str) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Settings) -> None:
-    # Engine flags default to None: the value comes from the environment when set there, else from the
-    # driver's own defaults (engine_native/config.py for the native engine), so each lives in one place.
-    e = env.engine
     p = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible gateway",
@@ -44,7 +45,51 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     )
     p.add_argument("--host", default=env.host, help="interface to bind (SLUICE_HOST)")
     p.add_argument("--port", type=int, default=env.port, help="TCP port (SLUICE_PORT)")
-    p.add_argument("--driver", default=env.driver, help="engine driver: native or synthetic (SLUICE_DRIVER)")
+    p.add_argument("--driver", default=env.driver, help="engine driver: native, synthetic or fleet (SLUICE_DRIVER)")
+    p.add_argument(
+        "--no-load-shedding",
+        dest="load_shedding",
+        action="store_false",
+        default=env.load_shedding,
+        help="no early 503s from estimated queue waits; only the queue bounds (SLUICE_LOAD_SHEDDING=0)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=env.max_body_bytes,
+        help="largest request body; larger gets 413 (SLUICE_MAX_BODY_BYTES)",
+    )
+    p.add_argument(
+        "--stream-timeout",
+        type=float,
+        default=env.stream_timeout_s,
+        help="lifetime cap of one generation in seconds (SLUICE_STREAM_TIMEOUT_S)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=env.drain_timeout_s,
+        help="on SIGTERM, seconds requests in flight may run on before they are ended (SLUICE_DRAIN_TIMEOUT_S)",
+    )
+    p.add_argument(
+        "--no-auth",
+        dest="auth",
+        action="store_false",
+        default=env.auth,
+        help="dev only: no tenants, keys, limits or usage records (SLUICE_AUTH=0)",
+    )
+    p.add_argument("--log-level", default=env.log_level, help="DEBUG, INFO, WARNING, ... (SLUICE_LOG_LEVEL)")
+    add_engine_arguments(p, env)
+    _add_fleet_arguments(p, env)
+    p.set_defaults(func=_serve)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
+    """The engine's flags, shared by `sluice serve` and `sluice worker` (read back by `engine_options`).
+
+    They default to None: the value comes from the environment when set there, else from the driver's
+    own defaults (engine_native/config.py for the native engine), so each lives in one place."""
+    e = env.engine
     p.add_argument(
         "--model",
         default=e.model,
@@ -91,39 +136,6 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
         help="do not reuse KV of shared prefixes",
     )
     p.add_argument(
-        "--no-load-shedding",
-        dest="load_shedding",
-        action="store_false",
-        default=env.load_shedding,
-        help="no early 503s from estimated queue waits; only the queue bounds (SLUICE_LOAD_SHEDDING=0)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=env.max_body_bytes,
-        help="largest request body; larger gets 413 (SLUICE_MAX_BODY_BYTES)",
-    )
-    p.add_argument(
-        "--stream-timeout",
-        type=float,
-        default=env.stream_timeout_s,
-        help="lifetime cap of one generation in seconds (SLUICE_STREAM_TIMEOUT_S)",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=env.drain_timeout_s,
-        help="on SIGTERM, seconds requests in flight may run on before they are ended (SLUICE_DRAIN_TIMEOUT_S)",
-    )
-    p.add_argument(
-        "--no-auth",
-        dest="auth",
-        action="store_false",
-        default=env.auth,
-        help="dev only: no tenants, keys, limits or usage records (SLUICE_AUTH=0)",
-    )
-    p.add_argument("--log-level", default=env.log_level, help="DEBUG, INFO, WARNING, ... (SLUICE_LOG_LEVEL)")
-    p.add_argument(
         "--synthetic-tokens-per-second",
         type=float,
         default=None,
@@ -138,7 +150,64 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     )
     _add_node_arguments(p)
     _add_restart_arguments(p, env)
-    p.set_defaults(func=_serve)
+
+
+def _add_fleet_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
+    from drivers.fleet.breaker import BreakerConfig
+    from drivers.fleet.client import FleetTimeouts
+    from drivers.fleet.router import Policy, RouterConfig
+
+    t, r, b = FleetTimeouts(), RouterConfig(), BreakerConfig()
+    g = p.add_argument_group("fleet (--driver fleet: engines in `sluice worker` processes; see docs/fleet.md)")
+    g.add_argument("--workers", default=",".join(env.fleet_workers), metavar="URL,...",
+                   help="static worker base URLs, comma-separated (SLUICE_WORKERS)")
+    g.add_argument("--fleet-redis", default=env.fleet_redis_url, metavar="URL",
+                   help="Redis the workers register in (SLUICE_FLEET_REDIS_URL)")
+    g.add_argument("--fleet-policy", default=env.fleet_policy, choices=[str(x) for x in Policy],
+                   help="how a worker is picked (SLUICE_FLEET_POLICY)")
+    g.add_argument("--fleet-max-attempts", type=int, default=3, help="workers one request may be tried on")
+    g.add_argument("--fleet-connect-timeout", type=float, default=t.connect_s, help="seconds to connect to a worker")
+    g.add_argument("--fleet-stall-timeout", type=float, default=t.stall_s,
+                   help="seconds of silence (no token, no keepalive) after which a worker is hung")
+    g.add_argument("--fleet-first-token-timeout", type=float, default=t.first_token_s,
+                   help="seconds a worker may take to the first token")
+    g.add_argument("--fleet-inter-token-timeout", type=float, default=t.inter_token_s,
+                   help="seconds a worker may take between two tokens")
+    g.add_argument("--fleet-load-factor", type=float, default=r.load_factor,
+                   help="prefix affinity's bounded load: a worker takes at most this times the mean")
+    g.add_argument("--fleet-breaker-failures", type=int, default=b.failures_to_open,
+                   help="consecutive failures that open a worker's circuit")
+    g.add_argument("--fleet-breaker-open", type=float, default=b.open_s,
+                   help="seconds an open circuit keeps a worker out before a probe")
+
+
+def fleet_config(args: argparse.Namespace, env: Settings, node_health: NodeHealthConfig) -> FleetConfig:
+    try:
+        return _fleet_config(args, env, node_health)
+    except ValueError as exc:  # a misconfigured fleet is a usage error, not a traceback
+        raise SystemExit(f"sluice: {exc}") from None
+
+
+def _fleet_config(args: argparse.Namespace, env: Settings, node_health: NodeHealthConfig) -> FleetConfig:
+    from drivers.fleet.breaker import BreakerConfig
+    from drivers.fleet.client import FleetTimeouts
+    from drivers.fleet.config import FleetConfig
+    from drivers.fleet.router import Policy, RouterConfig
+
+    return FleetConfig(
+        workers=tuple(u.strip() for u in args.workers.split(",") if u.strip()),
+        redis_url=args.fleet_redis or None,
+        secret=env.fleet_secret,
+        tls_verify=env.fleet_ca or True,
+        router=RouterConfig(policy=Policy(args.fleet_policy), load_factor=args.fleet_load_factor),
+        timeouts=FleetTimeouts(
+            connect_s=args.fleet_connect_timeout, stall_s=args.fleet_stall_timeout,
+            first_token_s=args.fleet_first_token_timeout, inter_token_s=args.fleet_inter_token_timeout,
+        ),
+        breaker=BreakerConfig(failures_to_open=args.fleet_breaker_failures, open_s=args.fleet_breaker_open),
+        node_health=node_health,
+        max_attempts=args.fleet_max_attempts,
+    )
 
 
 def _add_node_arguments(p: argparse.ArgumentParser) -> None:
@@ -178,7 +247,7 @@ def _add_restart_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
                    help="the crash-loop window, seconds (SLUICE_ENGINE_FAILURE_WINDOW_S)")
 
 
-def engine_options(args: argparse.Namespace) -> EngineOptions:
+def engine_options(args: argparse.Namespace, env: Settings | None = None) -> EngineOptions:
     """The engine's knobs from the parsed `serve` flags (whose defaults already hold the environment)."""
     from drivers.supervisor import RestartPolicy
     from observability.node_health import NodeHealthConfig
@@ -219,6 +288,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         synthetic_tokens_per_second=args.synthetic_tokens_per_second,
         synthetic_ttft_s=ttft_ms / 1000.0 if ttft_ms is not None else None,
         synthetic_start_delay_s=args.synthetic_start_delay,
+        fleet=fleet_config(args, env or Settings(), health) if getattr(args, "driver", None) == "fleet" else None,
     )
 
 
@@ -235,7 +305,7 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
         host=args.host,
         port=args.port,
         driver=args.driver,
-        engine=engine_options(args),
+        engine=engine_options(args, env),
         load_shedding=args.load_shedding,
         max_body_bytes=args.max_body_bytes,
         stream_timeout_s=args.stream_timeout,
@@ -283,6 +353,9 @@ def build_parser(env: Settings) -> argparse.ArgumentParser:
     from gateway.tenancy import database_url
 
     add_billing_commands(sub, lambda: database_url(env))
+    from worker.cli import add_worker_parser
+
+    add_worker_parser(sub, env)
     # Listed here for `sluice --help`; main() hands everything after `bench` to the benchmarks package.
     sub.add_parser("bench", add_help=False, help="benchmarks (sluice bench --help lists them)")
     sub.add_parser("simulate", add_help=False,

@@ -105,6 +105,16 @@ class Settings:
     billing: BillingConfig = field(default_factory=BillingConfig)
     """Usage billing with Stripe meters: meters, window, Stripe key and address, the relay
     (SLUICE_BILLING_*, STRIPE_API_KEY; see billing/config.py). Off unless a meter is named."""
+    fleet_workers: tuple[str, ...] = ()
+    """Fleet driver: static worker base URLs (SLUICE_WORKERS, comma-separated; --workers)."""
+    fleet_redis_url: str | None = None
+    """Fleet driver and `sluice worker`: Redis of the fleet's membership (SLUICE_FLEET_REDIS_URL; --fleet-redis)."""
+    fleet_policy: str = "prefix-affinity"
+    """Fleet driver: round-robin, least-loaded or prefix-affinity (SLUICE_FLEET_POLICY; --fleet-policy)."""
+    fleet_secret: str | None = None
+    """Shared secret between gateways and workers (SLUICE_FLEET_SECRET); None: none. Never logged."""
+    fleet_ca: str | None = None
+    """CA bundle that signs the workers' TLS certificates (SLUICE_FLEET_CA); None: the system's."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -163,6 +173,11 @@ class Settings:
             telemetry=e.get("SLUICE_TELEMETRY", "1").lower() not in ("0", "false", "off", "no"),
             log_prompts=e.get("SLUICE_LOG_PROMPTS", "0").lower() in ("1", "true", "on", "yes"),
             billing=BillingConfig.from_env(e),
+            fleet_workers=tuple(u.strip() for u in e.get("SLUICE_WORKERS", "").split(",") if u.strip()),
+            fleet_redis_url=e.get("SLUICE_FLEET_REDIS_URL") or d.fleet_redis_url,
+            fleet_policy=e.get("SLUICE_FLEET_POLICY", d.fleet_policy),
+            fleet_secret=e.get("SLUICE_FLEET_SECRET") or d.fleet_secret,
+            fleet_ca=e.get("SLUICE_FLEET_CA") or d.fleet_ca,
         )
 
     def __post_init__(self) -> None:

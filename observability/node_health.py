@@ -130,6 +130,11 @@ class NodeHealthMonitor:
         self.events: deque[NodeEvent] = deque(maxlen=500)  # the latest transitions, oldest first
         self._pending: list[NodeEvent] = []
 
+    def add_node(self, node: str, now: float) -> None:
+        """A node that joined later (a fleet worker); a known one is left as it is."""
+        if node not in self._nodes:
+            self._nodes[node] = _Node(last_progress=now)
+
     # ----- samples --------------------------------------------------------------------
 
     def record_itl(self, node: str, t: float, itl_s: float, batch: int) -> None:

@@ -1,0 +1,134 @@
+"""One request's stream from one worker, over httpx, with the timeouts that tell a hung worker
+from a slow one.
+
+    connect_s      the TCP (and TLS) connection must be up by then: a dead host or port
+    stall_s        no byte at all for this long: the worker is hung (SIGSTOP) or cut off; a live
+                   worker sends a keepalive line every 0.5 s even while a request waits
+    first_token_s  the first token must come by then, keepalives or not (an engine that accepts
+                   work and never runs it)
+    inter_token_s  the same between two tokens
+
+Each failure is a `WorkerLost` (try another worker) or a `WorkerRefused` (the worker answered
+no, with an `ErrorKind` that says whether another worker may say yes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+
+from drivers.fleet import wire
+from drivers.fleet.wire import ErrorKind
+
+
+@dataclass(frozen=True)
+class FleetTimeouts:
+    connect_s: float = 1.0
+    """Connection (and TLS handshake) to a worker (--fleet-connect-timeout)."""
+    stall_s: float = 2.0
+    """Silence (not even a keepalive) after which a worker counts as hung (--fleet-stall-timeout)."""
+    first_token_s: float = 120.0
+    """Longest wait for a request's first token on one worker (--fleet-first-token-timeout)."""
+    inter_token_s: float = 30.0
+    """Longest gap between two tokens on one worker (--fleet-inter-token-timeout)."""
+
+
+class WorkerLost(Exception):
+    """The worker is unreachable, hung, or its stream broke: retry elsewhere."""
+
+    def __init__(self, message: str, definite: bool = False) -> None:
+        super().__init__(message)
+        self.definite = definite  # certainly down now (connection refused): open its circuit at once
+
+
+class WorkerRefused(Exception):
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.kind, self.param, self.retry_after = kind, param, retry_after
+
+
+class WorkerClient:
+    def __init__(self, secret: str | None, timeouts: FleetTimeouts, verify: bool | str = True) -> None:
+        self.timeouts = timeouts
+        headers = {"authorization": f"Bearer {secret}"} if secret else {}
+        t = timeouts
+        self.http = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(connect=t.connect_s, read=t.stall_s, write=t.stall_s, pool=t.connect_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            verify=verify,
+        )
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def tokenize(self, address: str, request: wire.TokenizeRequest) -> list[int]:
+        try:
+            response = await self.http.post(address + wire.TOKENIZE_PATH, content=msgspec.json.encode(request))
+        except httpx.ConnectError as exc:
+            raise WorkerLost(f"cannot connect to {address}: {exc}", definite=True) from exc
+        except httpx.HTTPError as exc:
+            raise WorkerLost(f"{address}: {type(exc).__name__} {exc}") from exc
+        if response.status_code != 200:
+            raise _refusal(response.status_code, response.content, address)
+        return msgspec.json.decode(response.content, type=wire.TokenizeResponse).token_ids
+
+    async def stream(
+        self, address: str, request: wire.SubmitRequest, headers: dict[str, str] | None = None
+    ) -> AsyncGenerator[wire.TokensEvent, None]:
+        """The request's token events up to the one with `finish_reason`; closing it early closes the
+        connection, which aborts the request on the worker."""
+        t = self.timeouts
+        body = msgspec.json.encode(request)
+        try:
+            async with self.http.stream("POST", address + wire.GENERATE_PATH, content=body, headers=headers) as response:
+                if response.status_code != 200:
+                    raise _refusal(response.status_code, await response.aread(), address)
+                # Raw bytes split on newlines, decoded by msgspec straight from bytes: no text
+                # decoding per line (this loop runs once per token of every stream).
+                raw = response.aiter_raw()
+                pending: list[bytes] = []
+                buffer = b""
+                loop = asyncio.get_running_loop()
+                due = loop.time() + t.first_token_s
+                while True:
+                    if not pending:
+                        try:
+                            async with asyncio.timeout_at(due):
+                                buffer += await anext(raw)
+                        except StopAsyncIteration:
+                            raise WorkerLost(f"{address}: the stream ended before the request finished") from None
+                        except TimeoutError:
+                            raise WorkerLost(f"{address}: no token within the token timeout") from None
+                        *complete, buffer = buffer.split(b"\n")
+                        pending = [line for line in complete if line]
+                        pending.reverse()
+                        continue
+                    event = wire.STREAM_DECODER.decode(pending.pop())
+                    if isinstance(event, wire.KeepAlive):
+                        continue
+                    if isinstance(event, wire.FailureEvent):
+                        raise WorkerRefused(event.kind, event.message, retry_after=event.retry_after)
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+                    if event.token_ids:
+                        due = loop.time() + t.inter_token_s
+        except httpx.ConnectError as exc:
+            raise WorkerLost(f"cannot connect to {address}: {exc}", definite=True) from exc
+        except httpx.TimeoutException as exc:
+            raise WorkerLost(f"{address}: silent for {t.stall_s} s ({type(exc).__name__})") from exc
+        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WorkerLost(f"{address}: {type(exc).__name__} {exc}") from exc
+
+
+def _refusal(status: int, content: bytes, address: str) -> Exception:
+    try:
+        body = wire.ERROR_DECODER.decode(content)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return WorkerLost(f"{address}: HTTP {status} without an error body")
+    return WorkerRefused(body.kind, body.message, body.param, body.retry_after)

@@ -1,0 +1,171 @@
+"""Which worker gets a request: filter, then score, then pick.
+
+    filter   READY, serves the model, circuit not open, not stalled or dead by node health,
+             not already tried by this request; sluggish workers only when no healthy one is left
+    score    load = max(streams the worker reported open, streams this router has open there)
+                    + its KV usage (0..1), so a heartbeat's lag never hides what we just sent
+    pick     round-robin     the next candidate in id order
+             least-loaded    the lowest load (ties: the lower id)
+             prefix-affinity the first worker clockwise from the prompt's prefix hash on a ring
+                             of virtual nodes, skipping those over a bounded load
+                             ceil(load_factor * (total load + 1) / workers), so a hot prefix
+                             spills to the next worker instead of melting one
+
+The prefix hash covers the prompt's first `affinity_blocks` KV blocks of `block_size` tokens,
+salted with the tenant id like the engine's own prefix cache, so one tenant's system prompt
+always lands where its KV blocks are. The ring is a function of worker ids only: two gateways
+with the same membership place a prefix on the same worker without talking to each other.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import hashlib
+import math
+from array import array
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from drivers.fleet.breaker import CircuitBreaker
+from drivers.fleet.wire import WorkerInfo, WorkerState
+from observability.node_health import NodeHealthMonitor, NodeStatus
+
+
+class Policy(enum.StrEnum):
+    ROUND_ROBIN = "round-robin"
+    LEAST_LOADED = "least-loaded"
+    PREFIX_AFFINITY = "prefix-affinity"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    policy: Policy = Policy.PREFIX_AFFINITY
+    """How a worker is picked among the candidates (--fleet-policy)."""
+    block_size: int = 16
+    """Tokens per KV block of the workers' engines (the native engine's)."""
+    affinity_blocks: int = 4
+    """Leading full blocks of the prompt that make its prefix key."""
+    load_factor: float = 1.25
+    """Bounded load of prefix affinity: no worker takes more than this times the mean (plus one)."""
+    virtual_nodes: int = 100
+    """Points per worker on the hash ring (evens out the arcs)."""
+
+
+class NoWorkerError(Exception):
+    """No worker passes the filter; the message says why each was left out."""
+
+
+def stable_hash(data: bytes) -> int:
+    """64 bits of BLAKE2b: the same in every process (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def prefix_key(prompt: list[int], tenant_id: str | None, config: RouterConfig) -> int | None:
+    blocks = min(config.affinity_blocks, len(prompt) // config.block_size)
+    if blocks == 0:
+        return None  # shorter than one block: nothing cacheable to be near
+    head = array("I", prompt[: blocks * config.block_size]).tobytes()
+    return stable_hash((tenant_id or "").encode() + b"\0" + head)
+
+
+class HashRing:
+    def __init__(self, worker_ids: Iterable[str], virtual_nodes: int) -> None:
+        points = sorted(
+            (stable_hash(f"{wid}#{v}".encode()), wid) for wid in sorted(set(worker_ids)) for v in range(virtual_nodes)
+        )
+        self._hashes = [h for h, _ in points]
+        self._ids = [w for _, w in points]
+        self.members = frozenset(self._ids)
+
+    def walk(self, key: int) -> list[str]:
+        """Distinct workers clockwise from `key`."""
+        if not self._ids:
+            return []
+        start = bisect.bisect_left(self._hashes, key)
+        seen: dict[str, None] = {}
+        for i in range(len(self._ids)):
+            seen.setdefault(self._ids[(start + i) % len(self._ids)], None)
+            if len(seen) == len(self.members):
+                break
+        return list(seen)
+
+
+class FleetRouter:
+    def __init__(self, config: RouterConfig, monitor: NodeHealthMonitor) -> None:
+        self.config = config
+        self.monitor = monitor
+        self.breakers: dict[str, CircuitBreaker] = {}
+        self.in_flight: dict[str, int] = {}  # streams this router has open, by worker
+        self._ring = HashRing([], config.virtual_nodes)
+        self._turn = 0
+
+    def load(self, info: WorkerInfo) -> float:
+        reported = max(info.load.in_flight, info.load.running + info.load.waiting)
+        return max(reported, self.in_flight.get(info.id, 0)) + info.load.kv_usage
+
+    def candidates(
+        self, view: Mapping[str, WorkerInfo], model: str, now: float, exclude: Iterable[str] = ()
+    ) -> list[WorkerInfo]:
+        """The filter; raises NoWorkerError naming why each worker is out."""
+        excluded = set(exclude)
+        healthy: list[WorkerInfo] = []
+        sluggish: list[WorkerInfo] = []
+        why: dict[str, str] = {}
+        for wid in sorted(view):
+            info = view[wid]
+            breaker = self.breakers.get(wid)
+            status = self.monitor.status(wid) if wid in self.breakers else NodeStatus.HEALTHY
+            if wid in excluded:
+                why[wid] = "already tried"
+            elif info.state is not WorkerState.READY:
+                why[wid] = str(info.state)
+            elif not any(card.id == model for card in info.models):
+                why[wid] = "does not serve the model"
+            elif breaker is not None and not breaker.allows(now):
+                why[wid] = "circuit open"
+            elif status in (NodeStatus.STALLED, NodeStatus.DEAD):
+                why[wid] = str(status)
+            elif status is NodeStatus.SLUGGISH:
+                sluggish.append(info)
+            else:
+                healthy.append(info)
+        chosen = healthy or sluggish
+        if not chosen:
+            detail = "; ".join(f"{w}: {r}" for w, r in why.items()) or "no worker has joined"
+            raise NoWorkerError(f"no worker can take the request ({detail})")
+        return chosen
+
+    def pick(
+        self, candidates: list[WorkerInfo], prompt: list[int], tenant_id: str | None, members: Iterable[str] = ()
+    ) -> WorkerInfo:
+        """`members`: every worker in the view; the ring is built over them, not over the candidates,
+        so a worker filtered out for one request moves only its own keys (consistent hashing)."""
+        policy = self.config.policy
+        if policy is Policy.ROUND_ROBIN:
+            self._turn += 1
+            return candidates[self._turn % len(candidates)]
+        if policy is Policy.PREFIX_AFFINITY:
+            key = prefix_key(prompt, tenant_id, self.config)
+            if key is not None:
+                return self._affine(candidates, key, frozenset(members) | {c.id for c in candidates})
+        return min(candidates, key=lambda c: (self.load(c), c.id))
+
+    def _affine(self, candidates: list[WorkerInfo], key: int, members: frozenset[str]) -> WorkerInfo:
+        by_id = {c.id: c for c in candidates}
+        if self._ring.members != members:
+            self._ring = HashRing(members, self.config.virtual_nodes)
+        loads = {wid: self.load(c) for wid, c in by_id.items()}
+        bound = math.ceil(self.config.load_factor * (sum(loads.values()) + 1) / len(by_id))
+        order = [wid for wid in self._ring.walk(key) if wid in by_id]
+        for wid in order:
+            if loads[wid] < bound:
+                return by_id[wid]
+        return by_id[order[0]]
+
+    def home(self, view: Mapping[str, WorkerInfo], prompt: list[int], tenant_id: str | None) -> str | None:
+        """Where prefix affinity puts this prompt when nobody is loaded (for tests and the console)."""
+        key = prefix_key(prompt, tenant_id, self.config)
+        ring = HashRing(view, self.config.virtual_nodes)
+        order = ring.walk(key) if key is not None else []
+        return order[0] if order else None

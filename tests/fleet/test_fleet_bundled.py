@@ -1,0 +1,63 @@
+"""The bundled model behind the fleet: two `sluice worker --driver native` processes and a gateway.
+Greedy streams through the fleet equal single-node output (one worker asked directly over the
+wire), and still do when the worker serving one is killed with SIGKILL mid-stream: the request
+resumes on the other worker from the prompt plus the tokens already sent.
+
+One stream at a time: the native engine's greedy output depends on what else is in the batch
+(measured on a single worker with no fleet involved: 2 of 4 prompts change when run 4 at once), so
+equality with a solo reference holds only for solo runs. Concurrent streams across a kill are
+checked token for token on the synthetic engine (test_fleet_failover.py).
+
+Kept small for the suite's budget: 24 tokens, one engine thread per worker, steps slowed by 50 ms
+so that the kill lands mid-stream."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import msgspec
+from fleet_processes import Stream, gateway, nodes, wait_for, workers
+
+from drivers.fleet import wire
+
+MODEL = "smollm2-135m-instruct"
+MAX_TOKENS = 24
+PROMPTS = [
+    "The three primary colours are",
+    "Count: 1, 2, 3,",
+    "The capital of France is",
+    "Water boils at a temperature of",
+]
+NATIVE = ["--driver", "native", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--num-threads", "1",
+          "--fault-step-delay", "node-0=0.05"]
+
+
+def single_node(url: str, prompt: str) -> str:
+    """The worker's own greedy answer, asked directly: no fleet, no failover."""
+    ids = httpx.post(url + wire.TOKENIZE_PATH, json={"model": MODEL, "prompt": prompt}, timeout=60).json()["token_ids"]
+    body = wire.SubmitRequest(request_id=f"ref-{prompt}", model=MODEL, prompt_token_ids=ids,
+                              sampling=wire.SamplingSpec(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    r = httpx.post(url + wire.GENERATE_PATH, content=msgspec.json.encode(body), timeout=120)
+    events = [wire.STREAM_DECODER.decode(line) for line in r.text.splitlines()]
+    return "".join(e.text for e in events if isinstance(e, wire.TokensEvent))
+
+
+def test_greedy_through_the_fleet_equals_single_node_even_across_a_kill_9() -> None:
+    with workers(2, *NATIVE, prefix="n", startup_timeout_s=300) as ws, \
+            gateway("--workers", ",".join(w.url for w in ws), "--fleet-policy", "least-loaded") as base:
+        wait_for("both workers in the view", lambda: len(nodes(base)) == 2)
+        reference = [single_node(ws[0].url, p) for p in PROMPTS[:2]] + [single_node(ws[1].url, PROMPTS[3])]
+        body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        for prompt, want in zip(PROMPTS[:2], reference, strict=False):
+            s = Stream(base, {**body, "prompt": prompt}).start().join()
+            assert (s.error, s.text, s.completion_tokens) == (None, want, MAX_TOKENS)
+        # The last one loses its worker mid-stream.
+        s = Stream(base, {**body, "prompt": PROMPTS[3]}).start()
+        assert s.started.wait(120)
+        busy = max(nodes(base), key=lambda n: int(str(n["in_flight"])))
+        assert int(str(busy["in_flight"])) == 1
+        next(w for w in ws if w.worker_id == busy["id"]).signal(signal.SIGKILL)
+        s.join()
+        assert s.error is None, s.error
+        assert (s.text, s.completion_tokens) == (reference[2], MAX_TOKENS)
