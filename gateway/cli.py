@@ -65,6 +65,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
         default=None,
         help="KV cache pool size, e.g. 2GiB; default: a fraction of free memory",
     )
+    p.add_argument(
+        "--model-memory-budget",
+        type=parse_bytes,
+        default=env.engine.model_memory_budget_bytes,
+        help="memory all hosted model versions may take together (weights + KV pools), e.g. 8GiB; a deploy "
+             "beyond it is refused; default: the host's memory (SLUICE_MODEL_MEMORY_BUDGET)",
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="context length cap; default: the model's")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; default: torch's choice")
     p.add_argument(
@@ -201,6 +208,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         max_waiting=args.max_waiting,
         max_waiting_tokens=args.max_waiting_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory,
+        model_memory_budget_bytes=args.model_memory_budget,
         enable_prefix_caching=args.prefix_caching,
         num_engines=args.engines,
         node_health=health,
