@@ -242,6 +242,8 @@ class VersionedDriver(Driver):
             await engine.driver.abort(request_id)
 
     async def health(self) -> DriverHealth:
+        if not self._engines:  # the boot model still loading (or failed): it says which
+            return await self._boot.health()
         healths = [await e.driver.health() for e in self._engines if not e.draining]
         if len(healths) == 1:
             return healths[0]

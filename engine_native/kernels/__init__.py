@@ -10,7 +10,7 @@ What each function computes is written at the top of its source file:
 
 The build goes through torch.utils.cpp_extension (ninja, the host's g++) into
 ~/.cache/sluice/kernels/<key>, where the key covers the source, torch's version and this CPU's
-flags, so a copied cache never runs code built for another CPU. It takes ~30-60 s once per host.
+flags, so a copied cache never runs code built for another CPU, and the source folder. It takes ~30-60 s once per host.
 
 Concurrent engine processes build it once: they queue on an flock of build.flock, which the kernel
 drops when its holder dies. torch's own `lock` file is not enough: a build killed mid-way leaves it
@@ -56,6 +56,9 @@ def _build_dir() -> Path:
     for source in _SOURCES + _HEADERS:
         key.update(source.read_bytes())
     key.update(torch.__version__.encode())
+    # torch rebuilds when the source paths change: one build folder per checkout, or two checkouts
+    # (git worktrees) used in turn would rebuild every time.
+    key.update(str(_HERE.resolve()).encode())
     key.update(_cpu_flags().encode())
     root = Path(os.environ.get("SLUICE_KERNEL_CACHE", Path.home() / ".cache" / "sluice" / "kernels"))
     path = root / key.hexdigest()[:16]

@@ -18,7 +18,10 @@ from tenants.db import (
     run_migrations,
 )
 
-TABLES = {"tenants", "api_keys", "usage_records", "admin_credentials", "alembic_version"}
+TABLES = {
+    "tenants", "api_keys", "usage_records", "admin_credentials", "alembic_version",
+    "registry_models", "registry_versions", "registry_generations", "registry_changes",
+}
 
 
 async def _tables(engine: AsyncEngine) -> set[str]:
