@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import NoReturn
 
 from drivers.options import EngineOptions
+from gateway.models_cli import add_models_command
 from gateway.settings import Settings
 
 log = logging.getLogger("sluice.cli")
@@ -281,6 +282,7 @@ def build_parser(env: Settings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice: multi-tenant LLM inference service")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub, env)
+    add_models_command(sub)
     # Listed here for `sluice --help`; main() hands everything after `bench` to the benchmarks package.
     sub.add_parser("bench", add_help=False, help="benchmarks (sluice bench --help lists them)")
     return parser
