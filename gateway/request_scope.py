@@ -160,9 +160,10 @@ class RequestScope:
             raise
 
     def pin(self, router: ModelRouter) -> Target:
-        """Resolve the model the request names to one version now (ModelNotFoundError: 404); the
-        request holds that version until it finishes, so the version is not unloaded under it."""
-        target = router.resolve(self._model or None)
+        """Resolve the model the request names to one version now (ModelNotFoundError: 404, also for a
+        model the tenant may not use); the request holds that version until it finishes, so the
+        version is not unloaded under it."""
+        target = router.resolve(self._model or None, self.caller.tenant_id if self.caller is not None else None)
         self._pinned = (router, target)
         return target
 

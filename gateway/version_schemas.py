@@ -112,3 +112,11 @@ class ChangeOut(msgspec.Struct, frozen=True, kw_only=True):
 
 class ChangesOut(msgspec.Struct, frozen=True):
     data: list[ChangeOut]
+
+
+class TenantModels(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A tenant's model list: public name -> pinned version, or null for whatever the alias says.
+    `models: null` lifts every restriction."""
+
+    models: Annotated[dict[Annotated[str, Meta(min_length=1, max_length=100)], VersionName | None], Meta(
+        max_length=100)] | None

@@ -11,6 +11,10 @@ class UnknownModelError(RegistryError):
     """No such public model or version in the registry (404)."""
 
 
+class UnknownTenantError(UnknownModelError):
+    """No such tenant, for a tenant's model access (404)."""
+
+
 class InvalidRegistryInputError(RegistryError):
     """A name, weight or source the registry cannot take (400)."""
 

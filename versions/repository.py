@@ -11,16 +11,22 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from tenants.models import utcnow
-from versions.errors import RegistryConflictError, UnknownModelError
+from tenants.models import Tenant, utcnow
+from versions.errors import RegistryConflictError, UnknownModelError, UnknownTenantError
 from versions.names import VersionState, version_id
-from versions.tables import RegistryChange, RegistryGeneration, RegistryModel, RegistryVersion
+from versions.tables import (
+    RegistryChange,
+    RegistryGeneration,
+    RegistryModel,
+    RegistryTenantAccess,
+    RegistryVersion,
+)
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,8 @@ class RegistrySnapshot:
     models: tuple[str, ...]
     versions: dict[str, VersionRecord]  # by version id
     aliases: dict[str, AliasRecord]  # by model: the newest generation
+    # tenant id -> {model: pinned version or None}; a tenant absent here may use every model
+    access: dict[str, dict[str, str | None]] = field(default_factory=dict)
 
 
 def fingerprint(model: str, version: str, source: str, dtype: str, created: dt.datetime) -> str:
@@ -101,10 +109,15 @@ class RegistryRepository:
             aliases = (await s.scalars(select(RegistryGeneration).join(
                 newest, (RegistryGeneration.model == newest.c.model) & (RegistryGeneration.generation == newest.c.g)
             ))).all()
+            grants = (await s.scalars(select(RegistryTenantAccess))).all()
+        access: dict[str, dict[str, str | None]] = {}
+        for grant in grants:
+            access.setdefault(grant.tenant_id, {})[grant.model] = grant.version
         return RegistrySnapshot(
             tuple(models),
             {r.id: r for r in map(VersionRecord.of, versions)},
             {a.model: AliasRecord.of(a) for a in aliases},
+            access,
         )
 
     async def version(self, model: str, version: str) -> VersionRecord:
@@ -201,6 +214,38 @@ class RegistryRepository:
         except IntegrityError:  # another writer took generation expected + 1 between our read and write
             raise RegistryConflictError(f"the alias of {model} changed meanwhile: read it again") from None
         return AliasRecord.of(written)
+
+    async def tenant_access(self, tenant_id: str) -> dict[str, str | None] | None:
+        async with self.sessions() as s:
+            rows = (await s.scalars(
+                select(RegistryTenantAccess).where(RegistryTenantAccess.tenant_id == tenant_id)
+            )).all()
+        return {r.model: r.version for r in rows} or None
+
+    async def set_tenant_access(
+        self, tenant_id: str, models: dict[str, str | None] | None, actor: str
+    ) -> dict[str, str | None] | None:
+        """Replace the tenant's model list (None: every model, unpinned). Each model must be registered
+        and each pinned version too (UnknownModelError); an unknown tenant is UnknownTenantError."""
+        async with self.sessions() as s, s.begin():
+            if await s.get(Tenant, tenant_id) is None:
+                raise UnknownTenantError(f"no tenant with id {tenant_id!r}")
+            old = (await s.scalars(
+                select(RegistryTenantAccess).where(RegistryTenantAccess.tenant_id == tenant_id)
+            )).all()
+            for row in old:
+                await s.delete(row)
+                if row.model not in (models or {}):
+                    _log(s, row.model, None, "tenant_access", {"tenant": tenant_id, "removed": True}, actor)
+            await s.flush()
+            for model, version in (models or {}).items():
+                await _lock_model(s, model)
+                if version is not None:
+                    await _version_row(s, model, version)
+                s.add(RegistryTenantAccess(tenant_id=tenant_id, model=model, version=version, created_at=utcnow(),
+                                           created_by=actor))
+                _log(s, model, version, "tenant_access", {"tenant": tenant_id, "pinned": version}, actor)
+        return models or None
 
     async def log_refusal(self, model: str, version: str, action: str, reason: str, actor: str) -> None:
         async with self.sessions() as s, s.begin():

@@ -73,6 +73,8 @@ class RoutingTable:
     versions: Mapping[str, VersionRecord] = field(default_factory=dict)  # ready and hosted here, by id
     aliases: Mapping[str, AppliedAlias] = field(default_factory=dict)
     pending: Mapping[str, int] = field(default_factory=dict)  # model -> newest generation not applied yet
+    # tenant id -> {model: pinned version or None}; a tenant absent here may use every model
+    access: Mapping[str, Mapping[str, str | None]] = field(default_factory=dict)
 
 
 class ModelRouter:
@@ -103,19 +105,32 @@ class ModelRouter:
             pending[model] = alias.generation
             if previous is not None and all(version_id(model, v) in versions for v in previous.alias.weights):
                 aliases[model] = previous  # keep serving the generation before until this one can be
-        self.table = RoutingTable(frozenset(snapshot.models), versions, aliases, pending)
+        self.table = RoutingTable(frozenset(snapshot.models), versions, aliases, pending, snapshot.access)
         return self.table
 
     # ----- resolving requests ---------------------------------------------------------------
 
-    def resolve(self, requested: str | None) -> Target:
-        """Pin a request to a version (ModelNotFoundError: 404). Call `release` when it ends."""
+    def resolve(self, requested: str | None, tenant_id: str | None = None) -> Target:
+        """Pin a request to a version (ModelNotFoundError: 404). Call `release` when it ends.
+
+        A tenant with a model list may use only those models (anything else is a 404, as OpenAI
+        answers a model you have no access to); a model pinned for it means that version only."""
         table = self.table
+        access = table.access.get(tenant_id) if tenant_id is not None else None
         if requested is None:
-            if not table.aliases:
+            if access:
+                requested = min(access)
+            elif not table.aliases:
                 return Target(None, None, None, None)  # the driver's first model, as without a registry
-            requested = min(table.aliases)
+            else:
+                requested = min(table.aliases)
         model, version = split_version_id(requested)
+        if access is not None:
+            if model not in access or (version is not None and access[model] not in (None, version)):
+                raise ModelNotFoundError(requested)
+            pinned = access[model]
+            if pinned is not None:
+                version, requested = pinned, version_id(model, pinned)
         if version is not None and model in table.models:
             record = table.versions.get(requested)
             if record is None:
@@ -142,9 +157,16 @@ class ModelRouter:
 
     # ----- what clients see -----------------------------------------------------------------
 
-    def public_cards(self, cards: list[ModelCard]) -> list[ModelCard]:
+    def public_cards(self, cards: list[ModelCard], tenant_id: str | None = None) -> list[ModelCard]:
         """`/v1/models`: every alias this replica routes by, and models served outside the registry;
-        never a version id (those are addressed, not listed)."""
+        never a version id (those are addressed, not listed). A tenant with a model list sees those."""
+        table = self.table
+        access = table.access.get(tenant_id) if tenant_id is not None else None
+        if access is not None:
+            return [c for c in self._public(cards) if c.id in access]
+        return self._public(cards)
+
+    def _public(self, cards: list[ModelCard]) -> list[ModelCard]:
         table = self.table
         by_id = {c.id: c for c in cards}
         listed: list[ModelCard] = []

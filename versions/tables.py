@@ -6,6 +6,8 @@
                            newest row is the alias now. Its primary key makes a change a
                            compare-and-set: two admins writing generation g+1 cannot both succeed.
     registry_changes       every change, with its time and the admin who made it
+    registry_tenant_access (tenant, model) -> pinned version or none: a tenant with rows may use only
+                           those models, each pinned to one version where a version is given
 """
 
 from __future__ import annotations
@@ -69,3 +71,13 @@ class RegistryChange(Base):
     detail: Mapped[str] = mapped_column(Text, default="")
     actor: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class RegistryTenantAccess(Base):
+    __tablename__ = "registry_tenant_access"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    model: Mapped[str] = mapped_column(ForeignKey("registry_models.name", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[str | None] = mapped_column(String(64), nullable=True)  # None: whatever the alias says
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(200))

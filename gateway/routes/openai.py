@@ -190,7 +190,7 @@ async def list_models(
 ) -> ModelList:
     """The public names: registry aliases and models served outside the registry, never version ids
     (`name@version` addresses a version without being listed)."""
-    cards = service.models.public_cards(driver.models())
+    cards = service.models.public_cards(driver.models(), caller.tenant_id if caller is not None else None)
     return ModelList(data=[ModelObject(c.id, c.created, c.owned_by, c.max_model_len) for c in cards])
 
 

@@ -25,6 +25,7 @@ from gateway.version_schemas import (
     ModelOut,
     ModelsOut,
     Rollback,
+    TenantModels,
     VersionCreate,
     VersionOut,
 )
@@ -156,6 +157,35 @@ async def model_changes(request: Request, name: FromPath[str], admin: NamedDepen
     return ChangesOut([ChangeOut.of(c) for c in await registry.service.changes(name)])
 
 
+@get(
+    "/admin/tenants/{tenant_id:str}/models", security=ADMIN_SECURITY, tags=_TAGS,
+    responses=error_responses(400, 401, 403),
+)
+async def get_tenant_models(request: Request, tenant_id: FromPath[str], admin: NamedDependency[None]) -> TenantModels:
+    """The tenant's model list; `models: null`: every model, as its alias says."""
+    return TenantModels(models=await _registry(request).sync.repo.tenant_access(tenant_id))
+
+
+@put(
+    "/admin/tenants/{tenant_id:str}/models", security=ADMIN_SECURITY, tags=_TAGS,
+    responses=error_responses(400, 401, 403, 404, 408, 413),
+)
+async def set_tenant_models(
+    request: Request, tenant_id: FromPath[str], data: JSONBody[TenantModels], admin: NamedDependency[None],
+    actor: Actor = None,
+) -> TenantModels:
+    """Limit the tenant to these models, each pinned to a version where one is given (for reproducible
+    output); `{"models": null}` lifts the limit. Every replica applies it as it applies an alias."""
+    registry = _registry(request)
+    models = dict(data.models) if data.models is not None else None
+    for name in models or {}:
+        check_model_name(name)
+    saved = await registry.sync.repo.set_tenant_access(tenant_id, models, _actor(actor))
+    await registry.sync.notify()
+    return TenantModels(models=saved)
+
+
 VERSION_ROUTES = [
     list_registry, get_model, register_version, deploy_version, set_alias, rollback, retire_version, model_changes,
+    get_tenant_models, set_tenant_models,
 ]

@@ -77,3 +77,22 @@ def test_versions_are_addressed_directly_only_while_ready_and_never_listed() -> 
     cards = [ModelCard("chat@v1", 256), ModelCard("chat@v0", 256), ModelCard("bundled", 512), ModelCard("x@y", 64)]
     assert [c.id for c in router.public_cards(cards)] == ["chat", "bundled", "x@y"]
     assert router.resolve(None).public_name == "chat"  # no model named: the first alias
+
+
+def test_a_tenant_model_list_limits_and_pins() -> None:
+    router = ModelRouter()
+    snap = snapshot(2, {"v2": 100}, version("chat@v1"), version("chat@v2"))
+    snap = RegistrySnapshot(("chat", "code"), snap.versions, snap.aliases, {"pinned": {"chat": "v1"}, "none": {}})
+    router.apply(snap, hosted("chat@v1", "chat@v2"))
+    assert router.resolve("chat", "free").model_id == "chat@v2"  # no list: the alias
+    pinned = router.resolve("chat", "pinned")
+    assert (pinned.model_id, pinned.generation, pinned.fingerprint) == ("chat@v1", None, "fp_v1")
+    assert router.resolve(None, "pinned").model_id == "chat@v1"
+    for name in ("chat@v2", "code", "bundled"):
+        with pytest.raises(ModelNotFoundError):
+            router.resolve(name, "pinned")
+    with pytest.raises(ModelNotFoundError):
+        router.resolve("chat", "none")  # an empty list: no model at all
+    cards = [ModelCard("chat@v2", 256), ModelCard("bundled", 512)]
+    assert [c.id for c in router.public_cards(cards, "pinned")] == ["chat"]
+    assert [c.id for c in router.public_cards(cards, "free")] == ["chat", "bundled"]

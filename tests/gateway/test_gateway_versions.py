@@ -129,14 +129,16 @@ def deploy(pair: list[Server], version: str, source: str) -> None:
 
 
 def switch(pair: list[Server], weights: dict[str, int] | None, generation: int) -> dict[int, float]:
-    """Set the alias (None: roll back) from `generation`; returns when each replica applied the new one."""
+    """Set the alias (None: roll back) from `generation`; returns when each replica applied the new one
+    (time.time(), key -1: when the admin call was made)."""
+    called = time.time()
     if weights is None:
         resp = admin(pair[0], "POST", f"/admin/models/{MODEL}/rollback", generation=generation)
     else:
         resp = admin(pair[0], "PUT", f"/admin/models/{MODEL}/alias", weights=weights, generation=generation)
     assert resp.status_code == 200, resp.text
     assert resp.json()["generation"] == generation + 1
-    applied = {}
+    applied = {-1: called}
     for i, server in enumerate(pair):
         view = wait_until(f"generation {generation + 1} on replica {i}",
                           lambda s=server: (v := model_view(s))["applied"]["generation"] == generation + 1 and v)
@@ -159,6 +161,8 @@ class Outcome:
     finish: str | None = None
     done: bool = False
     errors: list[str] = field(default_factory=list)
+    ttft: float | None = None  # seconds to the first content
+    ended: float = 0.0  # time.time() of the last byte
 
     @property
     def ok(self) -> bool:
@@ -192,10 +196,14 @@ async def stream_once(client: httpx.AsyncClient, server: Server, replica: int, s
                 out.models.add(chunk["model"])
                 out.fingerprints.add(chunk.get("system_fingerprint"))
                 for choice in chunk["choices"]:
-                    out.text += choice["delta"].get("content") or ""
+                    content = choice["delta"].get("content") or ""
+                    if content and out.ttft is None:
+                        out.ttft = time.time() - out.sent
+                    out.text += content
                     out.finish = choice.get("finish_reason") or out.finish
     except httpx.HTTPError as exc:
         out.errors.append(repr(exc))
+    out.ended = time.time()
     return out
 
 
@@ -241,6 +249,29 @@ async def _one(server: Server, secret: str, model: str) -> Outcome:
         return await stream_once(client, server, 0, secret, model)
 
 
+def print_figures(outcomes: list[Outcome], applied: dict[int, dict[int, float]]) -> None:
+    """The closing note's figures (pytest -s shows them): client TTFT p99 and throughput in the second
+    around each switch vs the steady stretches between, and admin call -> last replica applied."""
+    around = [(w[-1] - 0.5, w[-1] + 1.5) for w in applied.values()]
+
+    def near(o: Outcome) -> bool:
+        return any(a <= o.sent <= b for a, b in around)
+
+    def summary(group: list[Outcome]) -> str:
+        ttfts = sorted(o.ttft for o in group if o.ttft is not None)
+        if not ttfts:
+            return "none"
+        span = max(o.ended for o in group) - min(o.sent for o in group)
+        p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
+        return f"{len(group)} requests, TTFT p99 {p99 * 1000:.0f} ms, {len(group) / span:.1f} req/s over {span:.1f} s"
+
+    print("\nswitching:", summary([o for o in outcomes if near(o)]))
+    print("steady:   ", summary([o for o in outcomes if not near(o)]))
+    for generation, when in applied.items():
+        lag = max(t for r, t in when.items() if r >= 0) - when[-1]
+        print(f"generation {generation}: admin call -> last replica applied {lag * 1000:.0f} ms")
+
+
 # ----- the tests ------------------------------------------------------------------------------------
 
 
@@ -273,7 +304,7 @@ def test_switch_canary_and_rollback_under_load_lose_nothing(
         assert o.generation is not None and o.model.split("@")[1] in weights[o.generation], o
     # Admitted after a replica applied a generation: never an older generation's version on that replica.
     for generation, when in applied.items():
-        late = [o for o in outcomes if o.sent > when[o.replica]]
+        late = [o for o in outcomes if o.sent > when[o.replica]]  # key -1 is the call: never a replica
         assert late and all(o.generation is not None and o.generation >= generation for o in late)
     canary = [o for o in outcomes if o.generation == 3]
     share = 100 * sum(o.model == f"{MODEL}@v2" for o in canary) / len(canary)
@@ -281,6 +312,7 @@ def test_switch_canary_and_rollback_under_load_lose_nothing(
     fingerprints = {o.model: o.fingerprints for o in outcomes}
     assert fingerprints[f"{MODEL}@v1"] != fingerprints[f"{MODEL}@v2"]
 
+    print_figures(outcomes, applied)
     changes = admin(pair[1], "GET", f"/admin/models/{MODEL}/changes").json()["data"]
     assert [c["action"] for c in changes if c["version"] is None][:4] == ["rollback", "alias", "alias", "alias"]
     assert all(c["actor"] == "release-bot" for c in changes)

@@ -20,7 +20,7 @@ from tenants.db import (
 
 TABLES = {
     "tenants", "api_keys", "usage_records", "admin_credentials", "alembic_version",
-    "registry_models", "registry_versions", "registry_generations", "registry_changes",
+    "registry_models", "registry_versions", "registry_generations", "registry_changes", "registry_tenant_access",
 }
 
 

@@ -10,7 +10,8 @@ import uuid
 import pytest
 
 from tenants.db import create_engine, run_migrations, session_factory
-from versions.errors import RegistryConflictError, UnknownModelError
+from tenants.service import TenantService, TenantSpec
+from versions.errors import RegistryConflictError, UnknownModelError, UnknownTenantError
 from versions.names import VersionState
 from versions.repository import RegistryRepository
 
@@ -93,6 +94,32 @@ def test_only_ready_versions_take_traffic_and_referenced_ones_cannot_leave(db_ur
                 "retire", "alias", "ready", "deploy", "alias", "register", "ready", "deploy", "register",
             ]
             assert [c.actor for c in changes][:2] == ["bob", "bob"] and changes[-1].actor == "alice"
+        finally:
+            await engine.dispose()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+def test_a_tenant_model_list_is_stored_checked_and_cleared(db_url: str) -> None:
+    async def scenario() -> None:
+        repo, engine = await _repo(db_url)
+        model = f"m-{uuid.uuid4().hex[:8]}"
+        try:
+            tenant = await TenantService(repo.sessions).create_tenant(TenantSpec(name=f"t-{uuid.uuid4().hex[:8]}"))
+            await _ready(repo, model, "v1")
+            with pytest.raises(UnknownTenantError):
+                await repo.set_tenant_access("no-such-tenant", {model: None}, "alice")
+            with pytest.raises(UnknownModelError):
+                await repo.set_tenant_access(tenant.id, {model: "v9"}, "alice")
+            with pytest.raises(UnknownModelError):
+                await repo.set_tenant_access(tenant.id, {"unregistered": None}, "alice")
+            assert await repo.tenant_access(tenant.id) is None  # the refused calls left nothing
+            await repo.set_tenant_access(tenant.id, {model: "v1"}, "alice")
+            assert (await repo.snapshot()).access[tenant.id] == {model: "v1"}
+            await repo.set_tenant_access(tenant.id, None, "bob")
+            assert await repo.tenant_access(tenant.id) is None
+            assert tenant.id not in (await repo.snapshot()).access
+            assert [c.action for c in await repo.changes(model)][:2] == ["tenant_access", "tenant_access"]
         finally:
             await engine.dispose()  # type: ignore[attr-defined]
 

@@ -1,4 +1,4 @@
-"""The model registry: public model names, versions, alias generations, change log.
+"""The model registry: public model names, versions, alias generations, change log, tenant access.
 
 Revision ID: 0003_model_registry
 Revises: 0002
@@ -65,9 +65,19 @@ def upgrade() -> None:
         sa.Column("created_at", _TS, nullable=False),
     )
     op.create_index("ix_registry_changes_model", "registry_changes", ["model"])
+    op.create_table(
+        "registry_tenant_access",
+        sa.Column("tenant_id", sa.String(36), sa.ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True),
+        sa.Column("model", sa.String(100), sa.ForeignKey("registry_models.name", ondelete="CASCADE"),
+                  primary_key=True),
+        sa.Column("version", sa.String(64), nullable=True),
+        sa.Column("created_at", _TS, nullable=False),
+        sa.Column("created_by", sa.String(200), nullable=False),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("registry_tenant_access")
     op.drop_index("ix_registry_changes_model", "registry_changes")
     op.drop_table("registry_changes")
     op.drop_table("registry_generations")
