@@ -376,3 +376,21 @@ def test_alias_changes_are_compare_and_set_and_bad_input_is_400(pair: list[Serve
     unknown = admin(pair[1], "PUT", "/admin/models/nope/alias", weights={"v1": 100}, generation=0)
     assert unknown.status_code == 404
     assert model_view(pair[0])["alias"]["generation"] == current
+
+
+def test_a_tenant_limited_to_a_pinned_version_on_every_replica(pair: list[Server], secret: str) -> None:
+    tenant = admin(pair[0], "POST", "/admin/tenants", name=f"t-{uuid.uuid4().hex[:8]}", requests_per_minute=None)
+    key = admin(pair[0], "POST", f"/admin/tenants/{tenant.json()['id']}/keys", name="k").json()["key"]
+    path = f"/admin/tenants/{tenant.json()['id']}/models"
+    assert admin(pair[0], "PUT", path, models={MODEL: "nope"}).status_code == 404  # no such version
+    limited = admin(pair[0], "PUT", path, models={MODEL: "v2"})
+    assert limited.status_code == 200 and limited.json() == {"models": {MODEL: "v2"}}
+    wait_until("the model list on replica 1", lambda: httpx.get(
+        f"{pair[1].v1}/models", headers={"authorization": f"Bearer {key}"}).json()["data"][0]["id"] == MODEL)
+    text, served = greedy(pair[1], key, MODEL)
+    assert served == f"{MODEL}@v2"
+    other = httpx.post(f"{pair[1].v1}/chat/completions", headers={"authorization": f"Bearer {key}"},
+                       json={"model": "smollm2-135m-instruct", "messages": PROMPT, "max_tokens": 1}, timeout=HANG_S)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    assert admin(pair[1], "PUT", path, models=None).json() == {"models": None}
+    assert admin(pair[0], "GET", path).json() == {"models": None}
