@@ -318,6 +318,26 @@ def test_switch_canary_and_rollback_under_load_lose_nothing(
     assert all(c["actor"] == "release-bot" for c in changes)
 
 
+def test_a_tenant_limited_to_a_pinned_version_on_every_replica(pair: list[Server], secret: str) -> None:
+    tenant = admin(pair[0], "POST", "/admin/tenants", name=f"t-{uuid.uuid4().hex[:8]}", requests_per_minute=None)
+    key = admin(pair[0], "POST", f"/admin/tenants/{tenant.json()['id']}/keys", name="k").json()["key"]
+    path = f"/admin/tenants/{tenant.json()['id']}/models"
+    assert admin(pair[0], "PUT", path, models={MODEL: "nope"}).status_code == 404  # no such version
+    # The alias says v2; this tenant is pinned to v1, and only "smol" is on its list.
+    limited = admin(pair[0], "PUT", path, models={MODEL: "v1"})
+    assert limited.status_code == 200 and limited.json() == {"models": {MODEL: "v1"}}
+    wait_until("the pin on replica 1", lambda: greedy(pair[1], key, MODEL)[1] == f"{MODEL}@v1")
+    listed = httpx.get(f"{pair[1].v1}/models", headers={"authorization": f"Bearer {key}"}).json()["data"]
+    assert [m["id"] for m in listed] == [MODEL]
+    assert greedy(pair[1], secret, MODEL)[1] == f"{MODEL}@v2"  # other tenants: the alias
+    other = httpx.post(f"{pair[1].v1}/chat/completions", headers={"authorization": f"Bearer {key}"},
+                       json={"model": "smollm2-135m-instruct", "messages": PROMPT, "max_tokens": 1}, timeout=HANG_S)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    assert admin(pair[1], "PUT", path, models=None).json() == {"models": None}
+    assert admin(pair[0], "GET", path).json() == {"models": None}
+    wait_until("the pin lifted on replica 0", lambda: greedy(pair[0], key, MODEL)[1] == f"{MODEL}@v2")
+
+
 def test_retiring_unloads_the_old_version_everywhere_and_is_refused_while_referenced(
     pair: list[Server], secret: str
 ) -> None:
@@ -377,20 +397,3 @@ def test_alias_changes_are_compare_and_set_and_bad_input_is_400(pair: list[Serve
     assert unknown.status_code == 404
     assert model_view(pair[0])["alias"]["generation"] == current
 
-
-def test_a_tenant_limited_to_a_pinned_version_on_every_replica(pair: list[Server], secret: str) -> None:
-    tenant = admin(pair[0], "POST", "/admin/tenants", name=f"t-{uuid.uuid4().hex[:8]}", requests_per_minute=None)
-    key = admin(pair[0], "POST", f"/admin/tenants/{tenant.json()['id']}/keys", name="k").json()["key"]
-    path = f"/admin/tenants/{tenant.json()['id']}/models"
-    assert admin(pair[0], "PUT", path, models={MODEL: "nope"}).status_code == 404  # no such version
-    limited = admin(pair[0], "PUT", path, models={MODEL: "v2"})
-    assert limited.status_code == 200 and limited.json() == {"models": {MODEL: "v2"}}
-    wait_until("the model list on replica 1", lambda: httpx.get(
-        f"{pair[1].v1}/models", headers={"authorization": f"Bearer {key}"}).json()["data"][0]["id"] == MODEL)
-    text, served = greedy(pair[1], key, MODEL)
-    assert served == f"{MODEL}@v2"
-    other = httpx.post(f"{pair[1].v1}/chat/completions", headers={"authorization": f"Bearer {key}"},
-                       json={"model": "smollm2-135m-instruct", "messages": PROMPT, "max_tokens": 1}, timeout=HANG_S)
-    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
-    assert admin(pair[1], "PUT", path, models=None).json() == {"models": None}
-    assert admin(pair[0], "GET", path).json() == {"models": None}
