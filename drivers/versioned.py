@@ -103,8 +103,10 @@ class VersionedDriver(Driver):
         self._add(engine)
 
     async def stop(self) -> None:
-        for task in self._loading.values():
+        loading = list(self._loading.values())
+        for task in loading:
             task.cancel()
+        await asyncio.gather(*loading, return_exceptions=True)
         engines, self._engines, self._by_id = self._engines, [], {}
         await asyncio.gather(*(e.driver.stop() for e in engines), return_exceptions=True)
 
@@ -170,6 +172,9 @@ class VersionedDriver(Driver):
             driver = self._factory.build(source)
             try:
                 await driver.start()
+            except asyncio.CancelledError:  # the server stops while it loads: no engine may outlive it
+                await asyncio.shield(driver.stop())
+                raise
             except Exception as exc:
                 await driver.stop()
                 raise DeployRefusedError(DeployRefusal.LOAD_FAILED, f"{source.version_id}: {exc}") from exc

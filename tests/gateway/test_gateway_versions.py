@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,13 +70,11 @@ def pair(sources: dict[str, Path]) -> Iterator[list[Server]]:
     options = ("--driver", "native", "--max-model-len", "256", "--kv-cache-memory", str(KV_BYTES),
                "--num-threads", "1", "--max-num-seqs", str(STREAMS), "--model-memory-budget", str(budget(sources)))
     try:
-        with ExitStack() as stack:
-            servers = []
-            for _ in range(2):
-                gen = start_server(*options, auth=True, env=env, startup_timeout_s=600)
-                servers.append(next(gen))
-                stack.callback(lambda g=gen: next(g, None))
-            yield servers
+        with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+            gens = [start_server(*options, auth=True, env=env, startup_timeout_s=600) for _ in range(2)]
+            for gen in gens:
+                stack.callback(lambda g=gen: next(g, None))  # runs start_server's finally: terminate
+            yield list(pool.map(next, gens))  # both load their engines at once
     finally:
         asyncio.run(drop_postgres_database(url))
 
