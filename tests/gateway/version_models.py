@@ -2,8 +2,8 @@
 and GGUF conversion take most of a minute on the CI machine).
 
     tiny_llama      a random 1-layer Llama as a Hugging Face folder (config.json, safetensors, the
-                    bundled model's tokenizer saved as tokenizer.json): served beside the bundled GGUF,
-                    its greedy output tells the two apart
+                    bundled model's tokenizer saved as tokenizer.json); two seeds give two versions
+                    whose greedy outputs tell them apart
     unsupported     a folder whose config.json names an architecture no loader implements
 """
 
@@ -24,7 +24,7 @@ HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 32, 64, 2, 1
 def tiny_llama(folder: Path, seed: int = 0) -> Path:
     tok = load_tokenizer(bundled_model_path())
     assert tok is not None
-    model_dir = folder / "tiny-llama"
+    model_dir = folder / f"tiny-llama-{seed}"
     model_dir.mkdir(parents=True)
     tok.backend.save(str(model_dir / "tokenizer.json"))
     (model_dir / "tokenizer_config.json").write_text(json.dumps({
@@ -36,7 +36,7 @@ def tiny_llama(folder: Path, seed: int = 0) -> Path:
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
         "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": 1,
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True, "eos_token_id": tok.eos_token_ids,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": tok.eos_token_ids,
     }
     (model_dir / "config.json").write_text(json.dumps(config))
     rng = np.random.default_rng(seed)
@@ -46,9 +46,10 @@ def tiny_llama(folder: Path, seed: int = 0) -> Path:
 
     layer = "model.layers.0."
     save_file({
-        # Unit-scale embeddings (tied to the lm head): each greedy pick wins by a wide margin, so the
-        # output does not change with the batch it runs in.
+        # Unit-scale embeddings and lm head, its own per seed: greedy picks win by a wide margin (in
+        # float32 the output does not change with the batch it runs in) and differ between seeds.
         "model.embed_tokens.weight": w(vocab, HIDDEN, scale=1.0),
+        "lm_head.weight": w(vocab, HIDDEN, scale=1.0),
         "model.norm.weight": np.ones(HIDDEN, dtype=np.float32),
         layer + "input_layernorm.weight": np.ones(HIDDEN, dtype=np.float32),
         layer + "post_attention_layernorm.weight": np.ones(HIDDEN, dtype=np.float32),
