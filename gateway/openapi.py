@@ -68,7 +68,17 @@ def self_decoded_body(body: type[msgspec.Struct]) -> type[Operation]:
     request_body = RequestBody(
         content={"application/json": OpenAPIMediaType(schema=_schema_of(body))}, required=True
     )
-    event_stream = OpenAPIMediaType(schema=Schema(type=OpenAPIType.STRING, description=SSE_DESCRIPTION))
+    # Before OpenAPI 3.2 (no `itemSchema`) an event stream's `schema` describes one event, and schema
+    # checkers (schemathesis) validate each parsed event against it: an object, its `data` a string.
+    event_stream = OpenAPIMediaType(schema=Schema(
+        type=OpenAPIType.OBJECT,
+        description=SSE_DESCRIPTION,
+        properties={
+            "data": Schema(type=OpenAPIType.STRING, description="a chunk's JSON, an error's JSON, or [DONE]"),
+            "event": Schema(type=OpenAPIType.STRING),
+        },
+        required=["data"],
+    ))
 
     @dataclass
     class SelfDecodedBody(Operation):

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from litestar import Request, get, post, put
 from litestar.di import NamedDependency
-from litestar.params import FromPath, JSONBody, Parameter
+from litestar.params import FromHeader, FromPath, HeaderParameter, JSONBody
 
 from gateway.auth import ADMIN_SECURITY
 from gateway.model_registry import ModelRegistry
@@ -32,8 +32,9 @@ from gateway.version_schemas import (
 from versions.errors import NoHostError, UnknownModelError
 from versions.names import check_model_name
 
-Actor = Annotated[str | None, Parameter(header="x-sluice-actor", max_length=200, required=False,
-                                         description="who makes the change, for the change log")]
+Actor = FromHeader[Annotated[str | None, HeaderParameter(
+    name="x-sluice-actor", max_length=200, required=False, description="who makes the change, for the change log"
+)]]
 _TAGS = ["models"]
 
 
