@@ -86,21 +86,21 @@ class VersionedDriver(Driver):
         self._loading: dict[str, asyncio.Task[Footprint]] = {}
         self._reserved: dict[str, int] = {}  # bytes of loads in progress, counted against the budget
         self._budget = asyncio.Lock()
+        # Routed to from the start: while it loads, the boot driver itself answers 503 (loading).
+        names = {card.id for card in boot.models()}
+        self._boot_engine = _Engine(boot, next(iter(names), ""), factory.boot_source(), None, names=names)
+        self._add(self._boot_engine)
 
     # ----- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
         await self._boot.start()
-        source = self._factory.boot_source()
-        footprint = None
-        if source is not None:
+        engine = self._boot_engine
+        if engine.source is not None:
             try:
-                footprint = await self._factory.inspect(source)
+                engine.footprint = await self._factory.inspect(engine.source)
             except DeployRefusedError as exc:  # it loaded, so it serves; only its size is unknown
                 log.warning("cannot estimate the boot model's memory: %s", exc)
-        names = {card.id for card in self._boot.models()}
-        engine = _Engine(self._boot, next(iter(names), ""), source, footprint, names=names)
-        self._add(engine)
 
     async def stop(self) -> None:
         loading = list(self._loading.values())
@@ -247,8 +247,6 @@ class VersionedDriver(Driver):
             await engine.driver.abort(request_id)
 
     async def health(self) -> DriverHealth:
-        if not self._engines:  # the boot model still loading (or failed): it says which
-            return await self._boot.health()
         healths = [await e.driver.health() for e in self._engines if not e.draining]
         if len(healths) == 1:
             return healths[0]
