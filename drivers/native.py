@@ -78,13 +78,16 @@ class NativeDriverConfig:
     """Chaos testing: extra sleep after every engine step, by node id, from the start."""
     progress: bool = True
     """Show a progress bar while a model loads."""
+    node_prefix: str = "node"
+    """Engines are nodes `<prefix>-0..N-1`; a second model version on the same host gets its own
+    prefix (`<version id>/node`) so that node ids stay unique."""
 
     @property
     def served_model_name(self) -> str:
         return self.engine.served_model_name or DEFAULT_SERVED_MODEL_NAME
 
     def engine_config(self, index: int) -> EngineConfig:
-        return replace(self.engine, node_id=f"node-{index}")
+        return replace(self.engine, node_id=f"{self.node_prefix}-{index}")
 
     @classmethod
     def from_options(cls, options: EngineOptions) -> NativeDriverConfig:

@@ -46,6 +46,10 @@ class EngineOptions:
     """KV cache pool of one engine; None: a fraction of free memory (--kv-cache-memory)."""
     enable_prefix_caching: bool | None = None
     """Reuse the KV of shared prefixes (--no-prefix-caching turns it off)."""
+    model_memory_budget_bytes: int | None = None
+    """Memory all model versions hosted by this server may take together, weights and KV pools
+    (estimated from the models' headers); a deploy beyond it is refused. None: the host's physical
+    memory (SLUICE_MODEL_MEMORY_BUDGET, --model-memory-budget; docs/versions.md)."""
     num_engines: int | None = None
     """Engine processes of the native driver, nodes node-0..N-1 (--engines)."""
     node_health: NodeHealthConfig | None = None

@@ -20,7 +20,8 @@ DriverFactory = Callable[[EngineOptions], Driver]
 # name -> factory, or "package.module:Attribute" resolved lazily on first use.
 _REGISTRY: dict[str, DriverFactory | str] = {
     "synthetic": "drivers.synthetic:SyntheticDriver.from_options",
-    "native": "drivers.native:NativeDriver.from_options",
+    # The native engine as a version host: the model it starts with, plus versions the registry loads.
+    "native": "drivers.native_versions:versioned_native_driver",
     "fleet": "drivers.fleet.driver:FleetDriver.from_options",
 }
 

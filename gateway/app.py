@@ -23,12 +23,14 @@ from gateway.body_timeout import BodyReadDeadline
 from gateway.drain import Drain
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.metrics import GatewayMetrics
+from gateway.model_registry import ModelRegistry
 from gateway.routes.admin import ADMIN_ROUTES
 from gateway.routes.billing import BILLING_ROUTES
 from gateway.routes.health import HEALTH_ROUTES, METRICS_SECURITY_COMPONENTS
 from gateway.routes.nodes import NODE_DEPENDENCIES, NODE_ROUTES
 from gateway.routes.openai import OPENAI_ROUTES
 from gateway.scaling import ScalingCollector, ScalingMonitor
+from gateway.routes.versions import VERSION_ROUTES
 from gateway.service import CompletionService
 from gateway.settings import Settings
 from gateway.tenancy import FirstStartKeys, Tenancy
@@ -63,13 +65,14 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
     metrics.registry.register(ScalingCollector(scaling))
     drain = Drain(driver, settings.drain_timeout_s)  # SIGTERM: refuse new, finish or end the rest (drain.py)
     service.cold_start.stopping = lambda: drain.draining  # requests held for a worker end when it starts
-    state = State({"settings": settings, "tenancy": None, "drain": drain})
+    state = State({"settings": settings, "tenancy": None, "drain": drain, "registry": None})
+    driver_started = asyncio.Event()  # the registry loads versions only beside a started driver
 
     @asynccontextmanager
     async def driver_lifespan(_: Litestar) -> AsyncGenerator[None, None]:
         # A model can take a while to load: the server listens meanwhile, /healthz answers and
         # /readyz says 503 until the driver is ready. A driver that starts at once is awaited.
-        loading = asyncio.create_task(_start_driver(driver, drain), name="sluice-driver-start")
+        loading = asyncio.create_task(_start_driver(driver, drain, driver_started), name="sluice-driver-start")
         await asyncio.wait([loading], timeout=DRIVER_START_WAIT_S)
         try:
             yield
@@ -91,9 +94,14 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
             _announce_first_start(first_start, settings)
         state["tenancy"] = tenancy
         service.gate = tenancy.gate
+        # Names and aliases route from the start; versions load once the driver runs (docs/versions.md).
+        registry = await ModelRegistry.start(settings, tenancy.sessions, driver, service.models, driver_started)
+        state["registry"] = registry
         try:
             yield
         finally:
+            state["registry"] = None
+            await registry.stop()
             service.gate = None
             state["tenancy"] = None
             await tenancy.stop()
@@ -111,7 +119,7 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
 
     routes: list[ControllerRouterHandler] = [*OPENAI_ROUTES, *HEALTH_ROUTES, console_router()]
     if settings.auth:
-        routes += ADMIN_ROUTES + BILLING_ROUTES
+        routes += ADMIN_ROUTES + BILLING_ROUTES + VERSION_ROUTES
     routes += NODE_ROUTES
     return Litestar(
         route_handlers=routes,
@@ -145,7 +153,7 @@ def create_app(settings: Settings, driver: Driver) -> Litestar:
 DRIVER_START_WAIT_S = 1.0  # start-up waits this long for the driver before listening without it
 
 
-async def _start_driver(driver: Driver, drain: Drain) -> None:
+async def _start_driver(driver: Driver, drain: Drain, started: asyncio.Event) -> None:
     """Start the driver; if that fails the process cannot serve, so log why and shut down (status 1)."""
     try:
         await driver.start()
@@ -154,6 +162,7 @@ async def _start_driver(driver: Driver, drain: Drain) -> None:
         drain.exit_code = 1
         os.kill(os.getpid(), signal.SIGTERM)
         return
+    started.set()
     log.info("driver ready")
 
 

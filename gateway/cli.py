@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NoReturn
 
 from drivers.options import EngineOptions
+from gateway.models_cli import add_models_command
 from gateway.settings import Settings
 
 if TYPE_CHECKING:
@@ -110,6 +111,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         type=parse_bytes,
         default=None,
         help="KV cache pool size, e.g. 2GiB; default: a fraction of free memory",
+    )
+    p.add_argument(
+        "--model-memory-budget",
+        type=parse_bytes,
+        default=env.engine.model_memory_budget_bytes,
+        help="memory all hosted model versions may take together (weights + KV pools), e.g. 8GiB; a deploy "
+             "beyond it is refused; default: the host's memory (SLUICE_MODEL_MEMORY_BUDGET)",
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context length cap; default: the model's")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads; default: torch's choice")
@@ -275,6 +283,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         max_waiting=args.max_waiting,
         max_waiting_tokens=args.max_waiting_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory,
+        model_memory_budget_bytes=args.model_memory_budget,
         enable_prefix_caching=args.prefix_caching,
         num_engines=args.engines,
         node_health=health,
@@ -356,6 +365,7 @@ def build_parser(env: Settings) -> argparse.ArgumentParser:
     from worker.cli import add_worker_parser
 
     add_worker_parser(sub, env)
+    add_models_command(sub)
     # Listed here for `sluice --help`; main() hands everything after `bench` to the benchmarks package.
     sub.add_parser("bench", add_help=False, help="benchmarks (sluice bench --help lists them)")
     sub.add_parser("simulate", add_help=False,

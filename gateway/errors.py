@@ -28,6 +28,7 @@ from drivers.base import (
     ModelNotFoundError,
     OverloadedError,
 )
+from drivers.hosting import DeployRefusedError
 from gateway.body_timeout import BodyTimeoutError
 from gateway.fanout import LifetimeExceededError
 from gateway.schemas import ErrorBody, ErrorDetail
@@ -41,6 +42,13 @@ from tenants.errors import (
     QuotaExceededError,
     RateLimitedError,
     TenantError,
+)
+from versions.errors import (
+    InvalidRegistryInputError,
+    NoHostError,
+    RegistryConflictError,
+    RegistryError,
+    UnknownModelError,
 )
 
 log = logging.getLogger("sluice.gateway")
@@ -90,6 +98,8 @@ def error_from_driver(
     if isinstance(exc, OverloadedError):
         retry = str(max(1, math.ceil(exc.retry_after)))
         return 503, ErrorDetail(str(exc), "overloaded_error", None, "overloaded"), {"retry-after": retry}
+    if isinstance(exc, DeployRefusedError):  # the version cannot be loaded here; nothing changed
+        return 422, ErrorDetail(str(exc), "invalid_request_error", None, exc.reason.value), {}
     if isinstance(exc, EngineDeadError):
         return (
             503,
@@ -147,6 +157,26 @@ def _on_tenant_error(request: Request, exc: TenantError) -> Response[bytes]:
     return error_response(
         status, detail.message, detail.type, detail.param, detail.code, headers, request_id_of(request)
     )
+
+
+def error_from_registry(exc: RegistryError) -> tuple[int, ErrorDetail]:
+    """Status and body for a model registry error (versions/errors.py)."""
+    message = str(exc)
+    if isinstance(exc, UnknownModelError):
+        return 404, ErrorDetail(message, "not_found_error", "model", "model_not_found")
+    if isinstance(exc, InvalidRegistryInputError):
+        return 400, ErrorDetail(message, "invalid_request_error", exc.param)
+    if isinstance(exc, RegistryConflictError):
+        return 409, ErrorDetail(message, "conflict_error", None, "conflict")
+    if isinstance(exc, NoHostError):
+        return 400, ErrorDetail(message, "invalid_request_error", None, "no_version_host")
+    log.error("unmapped registry error", exc_info=exc)
+    return 500, ErrorDetail("Internal server error", "server_error")
+
+
+def _on_registry_error(request: Request, exc: RegistryError) -> Response[bytes]:
+    status, detail = error_from_registry(exc)
+    return error_response(status, detail.message, detail.type, detail.param, detail.code, {}, request_id_of(request))
 
 
 def _on_http_error(request: Request, exc: HTTPException) -> Response[bytes]:
@@ -208,6 +238,7 @@ def _on_unexpected(request: Request, exc: Exception) -> Response[bytes]:
 EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     DriverError: _on_driver_error,
     TenantError: _on_tenant_error,
+    RegistryError: _on_registry_error,
     HTTPException: _on_http_error,
     LifetimeExceededError: _on_timeout,
     BodyTimeoutError: _on_body_timeout,

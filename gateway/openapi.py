@@ -34,7 +34,10 @@ ERROR_STATUSES: dict[int, str] = {
     403: "A valid key that may not do this: a suspended tenant, or a tenant key on the admin API",
     404: "No such model, tenant or key",
     408: "The request body did not arrive within SLUICE_BODY_TIMEOUT_S; the connection is closed",
-    409: "Conflicts with existing data, e.g. a tenant name already taken",
+    409: "Conflicts with existing data, e.g. a tenant name already taken, a stale model alias generation, "
+    "retiring a version an alias points at",
+    422: "A model version that cannot be deployed here; `code` says why (missing_source, "
+    "unsupported_architecture, over_budget, invalid_source, load_failed); nothing serving changed",
     413: "The request body is larger than SLUICE_MAX_BODY_BYTES",
     429: "A per-minute or concurrency limit (code rate_limit_exceeded, with Retry-After) or the monthly "
     "token budget (code insufficient_quota)",
@@ -65,7 +68,17 @@ def self_decoded_body(body: type[msgspec.Struct]) -> type[Operation]:
     request_body = RequestBody(
         content={"application/json": OpenAPIMediaType(schema=_schema_of(body))}, required=True
     )
-    event_stream = OpenAPIMediaType(schema=Schema(type=OpenAPIType.STRING, description=SSE_DESCRIPTION))
+    # Before OpenAPI 3.2 (no `itemSchema`) an event stream's `schema` describes one event, and schema
+    # checkers (schemathesis) validate each parsed event against it: an object, its `data` a string.
+    event_stream = OpenAPIMediaType(schema=Schema(
+        type=OpenAPIType.OBJECT,
+        description=SSE_DESCRIPTION,
+        properties={
+            "data": Schema(type=OpenAPIType.STRING, description="a chunk's JSON, an error's JSON, or [DONE]"),
+            "event": Schema(type=OpenAPIType.STRING),
+        },
+        required=["data"],
+    ))
 
     @dataclass
     class SelfDecodedBody(Operation):

@@ -87,7 +87,8 @@ def _completion_logprobs(items: list[TokenLogprob], start_offset: int = 0) -> Co
 
 
 def chat_completion(
-    rid: str, created: int, model: str, outputs: list[ChoiceOutput], prompt_tokens: int, logprobs: bool
+    rid: str, created: int, model: str, outputs: list[ChoiceOutput], prompt_tokens: int, logprobs: bool,
+    fingerprint: str | None = None,
 ) -> ChatCompletion:
     choices = [
         ChatChoice(
@@ -100,12 +101,14 @@ def chat_completion(
     ]
     completion = sum(o.completion_tokens for o in outputs)
     return ChatCompletion(
-        id=rid, created=created, model=model, choices=choices, usage=usage(prompt_tokens, completion)
+        id=rid, created=created, model=model, choices=choices, usage=usage(prompt_tokens, completion),
+        system_fingerprint=fingerprint,
     )
 
 
 def text_completion(
-    rid: str, created: int, model: str, outputs: list[ChoiceOutput], prompt_tokens: int, logprobs: bool
+    rid: str, created: int, model: str, outputs: list[ChoiceOutput], prompt_tokens: int, logprobs: bool,
+    fingerprint: str | None = None,
 ) -> Completion:
     choices = [
         CompletionChoice(
@@ -121,6 +124,7 @@ def text_completion(
         model=model,
         choices=choices,
         usage=usage(prompt_tokens, completion),
+        system_fingerprint=fingerprint,
     )
 
 
@@ -131,6 +135,7 @@ class ChatChunks:
     rid: str
     created: int
     model: str
+    fingerprint: str | None = None
 
     def _chunk(self, choices: list[ChatChunkChoice], use: Usage | None = None) -> bytes:
         return sse(
@@ -141,6 +146,7 @@ class ChatChunks:
                 model=self.model,
                 choices=choices,
                 usage=use,
+                system_fingerprint=self.fingerprint,
             )
         )
 
@@ -166,6 +172,7 @@ class CompletionChunks:
     rid: str
     created: int
     model: str
+    fingerprint: str | None = None
     offsets: dict[int, int] = field(default_factory=dict)
 
     def _chunk(self, choices: list[CompletionChoice], use: Usage | None = None) -> bytes:
@@ -177,6 +184,7 @@ class CompletionChunks:
                 model=self.model,
                 choices=choices,
                 usage=use,
+                system_fingerprint=self.fingerprint,
             )
         )
 

@@ -1,6 +1,6 @@
 """One API request in flight: everything it holds, from its arrival to its one `finish()`.
 
-A completion request takes up to five things while it runs, and each must be given back
+A completion request takes up to six things while it runs, and each must be given back
 exactly once however the request ends (answered, refused, failed, timed out, client gone):
 
     what                 taken by                          given back by finish()
@@ -11,12 +11,15 @@ exactly once however the request ends (answered, refused, failed, timed out, cli
     timeline             Observability.start               Observability.finish (metrics, trace)
     in-flight gauge      metrics.in_flight.inc()           metrics.in_flight.dec()
     driver streams       Fanout.open                       Fanout.aclose (aborts in the engine)
+    model version lease  ModelRouter.resolve (pin)         ModelRouter.release (versions/routing.py)
 
 and it leaves one log line. The way of a request, and what each step can refuse:
 
     arrival (stamped before the body is read or the key checked; every duration starts here)
     admit     count the request against the tenant's budget and    429 (budget, requests per minute)
               request limit, before anything expensive
+    pin       the model name to one version, by the alias           404
+              generation of this moment (versions/routing.py)
     prepare   cheap checks, then each distinct prompt tokenized    400 / 404 / 503 (model loading)
               once, off the event loop
     reserve   shed what would miss its TTFT target, then the       503 (shed) / 429 (tokens,
@@ -59,6 +62,7 @@ from observability.hub import TRACE_PARENT, Observability
 from observability.timeline import RequestTimeline
 from tenants.auth import TenantContext
 from tenants.errors import LimiterUnavailableError, QuotaExceededError, RateLimitedError, TenantError
+from versions.routing import ModelRouter, Target
 
 log = logging.getLogger("sluice.gateway")
 
@@ -129,6 +133,7 @@ class RequestScope:
         self._first_chunks: float | None = None  # ... and when each had sent its first chunk
         self._handed_off = False  # a stream owns the scope now
         self._finished = False
+        self._pinned: tuple[ModelRouter, Target] | None = None  # the version it holds a lease on
 
     @property
     def headers(self) -> dict[str, str]:
@@ -153,6 +158,14 @@ class RequestScope:
         except TenantError:
             self._usage_recorded = True
             raise
+
+    def pin(self, router: ModelRouter) -> Target:
+        """Resolve the model the request names to one version now (ModelNotFoundError: 404, also for a
+        model the tenant may not use); the request holds that version until it finishes, so the
+        version is not unloaded under it."""
+        target = router.resolve(self._model or None, self.caller.tenant_id if self.caller is not None else None)
+        self._pinned = (router, target)
+        return target
 
     async def prepare(self, plan: Callable[[], Plan]) -> Dispatch:
         """Check the request (`plan`: no tokenizing), then tokenize each distinct prompt once; the
@@ -285,6 +298,9 @@ class RequestScope:
             serving.shedder.finished(self._pending)
         if self._in_flight:
             serving.metrics.in_flight.dec()
+        if self._pinned is not None:
+            router, target = self._pinned
+            router.release(target)
         prompt, completion = self.charged()
         ended = time.monotonic()
         ttft = self.ttft

@@ -174,6 +174,7 @@ class ChatCompletion(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None  # the serving model version's (docs/versions.md); None outside the registry
 
 
 class Delta(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -195,6 +196,7 @@ class ChatCompletionChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaul
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None  # only on the last chunk, when stream_options.include_usage
+    system_fingerprint: str | None = None
 
 
 class CompletionChoice(msgspec.Struct, frozen=True):
@@ -213,6 +215,7 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None  # always on the whole object; on a stream only in the usage chunk
+    system_fingerprint: str | None = None
 
 
 class ModelObject(msgspec.Struct, frozen=True):

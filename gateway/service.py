@@ -45,6 +45,7 @@ from gateway.validation import Dispatch, Plan, chat_plan, completion_plan
 from observability.hub import Observability
 from tenants.auth import TenantContext
 from tenants.models import STANDARD
+from versions.routing import ModelRouter, Target
 
 log = logging.getLogger("sluice.gateway")
 
@@ -68,6 +69,8 @@ class CompletionService:
         self.metrics = metrics
         self.gate = gate  # None: auth is off, nothing is limited or recorded
         self.observability: Observability | None = None  # create_app sets it; None: request metrics off
+        # What a model name means now (the model registry, versions/); empty: every name passes through.
+        self.models = ModelRouter()
         self.shedder = LoadShedder(
             SheddingPolicy(settings.ttft_targets_s, settings.queue_share, settings.load_shedding), metrics
         )
@@ -107,7 +110,7 @@ class CompletionService:
         arrival: Arrival | None,
         plan: Callable[[_Body, str, Driver], Plan],
         chunks: type[ChatChunks | CompletionChunks],
-        whole: Callable[[str, int, str, list[ChoiceOutput], int, bool], msgspec.Struct],
+        whole: Callable[[str, int, str, list[ChoiceOutput], int, bool, str | None], msgspec.Struct],
     ) -> Reply:
         """The one path of both endpoints: admit, prepare, reserve, open, then stream or collect."""
         if caller is None and body.priority is None:
@@ -120,20 +123,30 @@ class CompletionService:
             # Before the plan: checking and tokenizing need a worker's model. The tier as prepare() sets it.
             tier = max(caller.priority if caller is not None else 0, body.priority or 0)
             await self.cold_start.wait(tier)
+            # Pinned here, once: the whole request runs on the version the alias meant at this moment.
+            target = scope.pin(self.models)
+            body = msgspec.structs.replace(body, model=target.model_id)
             dispatch = await scope.prepare(lambda: plan(body, rid, self.driver))
             await scope.reserve()
             await scope.open()
             created = int(time.time())
             logprobs = dispatch.logprobs is not None
+            fingerprint = target.fingerprint
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                renderer = chunks(rid, created, dispatch.model)
+                renderer = chunks(rid, created, dispatch.model, fingerprint)
                 events = _events(scope, dispatch, renderer, include_usage, logprobs)
-                return Reply(scope.stream(events), scope.headers)
+                return Reply(scope.stream(events), {**scope.headers, **_version_headers(target)})
             outputs = [ChoiceOutput() for _ in dispatch.requests]
             async for i, chunk in scope.chunks():
                 outputs[i].add(chunk)
-        return Reply(whole(rid, created, dispatch.model, outputs, dispatch.prompt_tokens, logprobs), scope.headers)
+        body_out = whole(rid, created, dispatch.model, outputs, dispatch.prompt_tokens, logprobs, fingerprint)
+        return Reply(body_out, {**scope.headers, **_version_headers(target)})
+
+
+def _version_headers(target: Target) -> dict[str, str]:
+    """The alias generation that chose the serving version (the body's `model` names the version)."""
+    return {} if target.generation is None else {"x-sluice-model-generation": str(target.generation)}
 
 
 async def _events(

@@ -100,6 +100,9 @@ class Settings:
     telemetry: bool = True
     """Request metrics and traces (SLUICE_TELEMETRY=0 turns them off: the overhead benchmark's baseline).
     HTTP counters and per-node gauges stay."""
+    registry_refresh_s: float = 5.0
+    """How often each replica re-reads the model registry whatever Redis says; changes normally arrive
+    through Redis within a second (SLUICE_REGISTRY_REFRESH_S; docs/versions.md)."""
     log_prompts: bool = False
     """Debug only: log request prompts (SLUICE_LOG_PROMPTS=1). Keys are never logged."""
     billing: BillingConfig = field(default_factory=BillingConfig)
@@ -129,6 +132,7 @@ class Settings:
                 model=e.get("SLUICE_MODEL") or None,
                 max_waiting=_int(e.get("SLUICE_MAX_WAITING")),
                 max_waiting_tokens=_int(e.get("SLUICE_MAX_WAITING_TOKENS")),
+                model_memory_budget_bytes=_bytes(e.get("SLUICE_MODEL_MEMORY_BUDGET")),
                 restart=_restart_policy(e),
             ),
             max_body_bytes=int(e.get("SLUICE_MAX_BODY_BYTES", d.max_body_bytes)),
@@ -171,6 +175,7 @@ class Settings:
             metrics_tenant_label=e.get("SLUICE_METRICS_TENANT_LABEL", d.metrics_tenant_label).lower(),
             metrics_token=e.get("SLUICE_METRICS_TOKEN") or d.metrics_token,
             telemetry=e.get("SLUICE_TELEMETRY", "1").lower() not in ("0", "false", "off", "no"),
+            registry_refresh_s=float(e.get("SLUICE_REGISTRY_REFRESH_S", d.registry_refresh_s)),
             log_prompts=e.get("SLUICE_LOG_PROMPTS", "0").lower() in ("1", "true", "on", "yes"),
             billing=BillingConfig.from_env(e),
             fleet_workers=tuple(u.strip() for u in e.get("SLUICE_WORKERS", "").split(",") if u.strip()),
@@ -206,6 +211,15 @@ def _restart_policy(env: Mapping[str, str]) -> RestartPolicy | None:
         failure_window_s=_float(env.get("SLUICE_ENGINE_FAILURE_WINDOW_S")),
     )
     return RestartPolicy(**fields) if fields else None
+
+
+def _bytes(text: str | None) -> int | None:
+    """A size such as 8GiB or 512MiB from the environment; unset or empty: None."""
+    if not text or not text.strip():
+        return None
+    from gateway.cli import parse_bytes  # the one size syntax of flags and environment
+
+    return parse_bytes(text)
 
 
 def _float(text: str | None) -> float | None:

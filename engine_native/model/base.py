@@ -20,6 +20,14 @@ class ModelLoadError(Exception):
     """A model file is missing, malformed or of an unsupported kind; the message names what was found."""
 
 
+class ModelNotFoundError(ModelLoadError):
+    """Nothing exists at the model path."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The file is a model, but of an architecture no loader here implements."""
+
+
 class CausalLM(Protocol):
     config: ModelConfig
 

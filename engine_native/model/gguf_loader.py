@@ -22,7 +22,7 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from engine_native.config import ModelConfig
-from engine_native.model.base import LoadedModel, ModelLoadError
+from engine_native.model.base import LoadedModel, ModelLoadError, UnsupportedArchitectureError
 from engine_native.model.gguf_tokenizer import tokenizer_from_gguf
 from engine_native.model.llama import LlamaForCausalLM
 from engine_native.model.quant import QuantWeight, q4_1_from_gguf, q8_0_from_gguf
@@ -101,7 +101,7 @@ def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
 def config_from_metadata(meta: dict[str, Any], name: str) -> ModelConfig:
     gguf_arch = meta.get("general.architecture")
     if gguf_arch not in ARCHITECTURES:
-        raise ModelLoadError(
+        raise UnsupportedArchitectureError(
             f"unsupported GGUF architecture {gguf_arch!r} in {name} (supported: {sorted(ARCHITECTURES)})"
         )
     a = gguf_arch

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tqdm import tqdm
 
 from engine_native.config import ModelConfig
-from engine_native.model.base import LoadedModel, ModelLoadError
+from engine_native.model.base import LoadedModel, ModelLoadError, UnsupportedArchitectureError
 from engine_native.model.llama import LlamaForCausalLM
 from engine_native.model.tokenizer import TextTokenizer
 
@@ -46,7 +46,7 @@ def config_from_hf(cfg: dict[str, Any], name: str) -> ModelConfig:
     archs = cfg.get("architectures") or [cfg.get("model_type")]
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
-        raise ModelLoadError(
+        raise UnsupportedArchitectureError(
             f"unsupported architecture {archs} in {name} (supported: {sorted(ARCHITECTURES)})"
         )
     # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters; older files have both.

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from gguf import GGUFReader
 
-from engine_native.model.base import LoadedModel, ModelLoadError, Tokenizer
+from engine_native.model.base import LoadedModel, ModelLoadError, ModelNotFoundError, Tokenizer
 from engine_native.model.gguf_loader import load_gguf, read_metadata
 from engine_native.model.gguf_tokenizer import tokenizer_from_gguf
 from engine_native.model.hf_loader import load_hf_folder, load_hf_tokenizer
@@ -25,24 +25,24 @@ def load_model(path: str, dtype: torch.dtype = torch.bfloat16, progress: bool = 
         raise ModelLoadError(f"unsupported dtype {dtype}; use torch.float32 or torch.bfloat16")
     if path.lower().endswith(".gguf"):
         if not os.path.isfile(path):
-            raise ModelLoadError(f"GGUF file not found: {path}")
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
         return load_gguf(path, dtype, progress)
     if os.path.isdir(path):
         return load_hf_folder(path, dtype, progress)
     if os.path.exists(path):
         raise ModelLoadError(f"{path} is neither a .gguf file nor a model folder")
-    raise ModelLoadError(f"model path not found: {path}")
+    raise ModelNotFoundError(f"model path not found: {path}")
 
 
 def load_tokenizer(path: str) -> Tokenizer | None:
     """Only the tokenizer of a model path (no weights): for the process that tokenizes prompts."""
     if path.lower().endswith(".gguf"):
         if not os.path.isfile(path):
-            raise ModelLoadError(f"GGUF file not found: {path}")
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
         return tokenizer_from_gguf(read_metadata(GGUFReader(path)))
     if os.path.isdir(path):
         return load_hf_tokenizer(path, _read_json_if_exists(os.path.join(path, "config.json")))
-    raise ModelLoadError(f"model path not found: {path}")
+    raise ModelNotFoundError(f"model path not found: {path}")
 
 
 def _read_json_if_exists(path: str) -> dict[str, Any] | None:

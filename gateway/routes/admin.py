@@ -31,6 +31,7 @@ from gateway.admin_schemas import (
 from gateway.auth import ADMIN_SECURITY, TENANT_SECURITY
 from gateway.openapi import error_responses
 from gateway.schemas import ModelList, ModelObject
+from gateway.service import CompletionService
 from gateway.tenancy import Tenancy
 from tenants.auth import TenantContext
 from tenants.errors import AuthenticationError
@@ -198,11 +199,12 @@ async def own_latency(
 
 
 @get("/admin/models", security=ADMIN_SECURITY, tags=["admin"], responses=error_responses(401, 403))
-async def admin_models(driver: NamedDependency[Driver], admin: NamedDependency[None]) -> ModelList:
+async def admin_models(
+    driver: NamedDependency[Driver], service: NamedDependency[CompletionService], admin: NamedDependency[None]
+) -> ModelList:
     """What /v1/models lists, for the admin key (which is no tenant's and so cannot call /v1)."""
-    return ModelList(
-        data=[ModelObject(c.id, c.created, c.owned_by, c.max_model_len) for c in driver.models()]
-    )
+    cards = service.models.public_cards(driver.models())
+    return ModelList(data=[ModelObject(c.id, c.created, c.owned_by, c.max_model_len) for c in cards])
 
 
 ADMIN_ROUTES = [

@@ -184,11 +184,14 @@ async def completions(
 
 @get("/v1/models", security=TENANT_SECURITY, responses=error_responses(401, 403))
 async def list_models(
-    driver: NamedDependency[Driver], caller: NamedDependency[TenantContext | None]
+    driver: NamedDependency[Driver],
+    service: NamedDependency[CompletionService],
+    caller: NamedDependency[TenantContext | None],
 ) -> ModelList:
-    return ModelList(
-        data=[ModelObject(c.id, c.created, c.owned_by, c.max_model_len) for c in driver.models()]
-    )
+    """The public names: registry aliases and models served outside the registry, never version ids
+    (`name@version` addresses a version without being listed)."""
+    cards = service.models.public_cards(driver.models(), caller.tenant_id if caller is not None else None)
+    return ModelList(data=[ModelObject(c.id, c.created, c.owned_by, c.max_model_len) for c in cards])
 
 
 OPENAI_ROUTES = [chat_completions, completions, list_models]

@@ -19,7 +19,8 @@ from tenants.db import (
 )
 
 TABLES = {
-    "tenants", "api_keys", "usage_records", "admin_credentials", "billing_lines", "billing_events", "alembic_version"
+    "tenants", "api_keys", "usage_records", "admin_credentials", "billing_lines", "billing_events", "alembic_version",
+    "registry_models", "registry_versions", "registry_generations", "registry_changes", "registry_tenant_access",
 }
 
 
