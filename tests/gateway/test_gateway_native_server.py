@@ -188,8 +188,9 @@ def test_a_client_gone_before_a_non_streamed_answer_aborts_it(native: Server) ->
 
 
 def test_the_server_answers_while_the_model_loads() -> None:
-    """Alive (healthz 200) at once, ready (readyz 200) only once loaded; requests meanwhile get 503 +
-    Retry-After, not an error or a hang."""
+    """Alive (healthz 200) at once, ready (readyz 200) only once loaded; a request sent meanwhile is a
+    cold start (gateway/cold_start.py): held, then served once the model is ready, or 503 + Retry-After
+    past the hold's bound or deadline, never an error or a hang."""
     import socket
     import subprocess
 
@@ -216,9 +217,11 @@ def test_the_server_answers_while_the_model_loads() -> None:
             if ready.status_code == 200:
                 break
             seen_loading = True
-            early = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
-            if httpx.get(f"{base}/readyz", timeout=1).status_code != 200:  # still loading when it was sent
-                assert early.status_code == 503 and early.headers["retry-after"]
+            early = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                               timeout=120)  # only catches a hang: the hold's own deadline is 60 s
+            assert early.status_code in (200, 503), early.text
+            if early.status_code == 503:
+                assert early.headers["retry-after"]
             time.sleep(0.1)
         assert seen_loading, "the server only listened once the model was loaded"
         ok = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
