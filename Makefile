@@ -29,7 +29,7 @@ test: setup browser
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy engine_native drivers gateway tenants versions ratelimit observability web benchmarks worker
+	$(VENV)/bin/mypy engine_native drivers gateway tenants versions ratelimit observability web benchmarks worker billing scaling simulator
 
 bench: setup
 	$(VENV)/bin/sluice bench engine

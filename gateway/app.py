@@ -29,8 +29,8 @@ from gateway.routes.billing import BILLING_ROUTES
 from gateway.routes.health import HEALTH_ROUTES, METRICS_SECURITY_COMPONENTS
 from gateway.routes.nodes import NODE_DEPENDENCIES, NODE_ROUTES
 from gateway.routes.openai import OPENAI_ROUTES
-from gateway.scaling import ScalingCollector, ScalingMonitor
 from gateway.routes.versions import VERSION_ROUTES
+from gateway.scaling import ScalingCollector, ScalingMonitor
 from gateway.service import CompletionService
 from gateway.settings import Settings
 from gateway.tenancy import FirstStartKeys, Tenancy
