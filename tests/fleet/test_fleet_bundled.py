@@ -3,9 +3,10 @@ Greedy streams through the fleet equal single-node output (one worker asked dire
 wire), and still do when the worker serving one is killed with SIGKILL mid-stream: the request
 resumes on the other worker from the prompt plus the tokens already sent.
 
-One stream at a time: the native engine's greedy output depends on what else is in the batch
-(measured on a single worker with no fleet involved: 2 of 4 prompts change when run 4 at once), so
-equality with a solo reference holds only for solo runs. Concurrent streams across a kill are
+One stream at a time: on a host with native bf16, a decode inside a step of more than
+`quantized_max_rows` tokens runs through the bf16 GEMMs (docs/engine.md, "Numerics"), so a stream's
+greedy tokens can change with what else shares its steps; equality with a solo reference is checked
+on solo runs. Concurrent streams across a kill are
 checked token for token on the synthetic engine (test_fleet_failover.py).
 
 Kept small for the suite's budget: 24 tokens, one engine thread per worker, steps slowed by 50 ms
