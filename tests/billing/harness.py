@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -23,6 +22,7 @@ from billing.stripe_meters import StripeMeters
 from tenants.db import create_engine, run_migrations, session_factory
 from tenants.service import TenantService, TenantSpec
 from tenants.usage import UsageEvent, UsageWriter, UsageWriterConfig
+from tests.polling import await_until
 
 Sessions = async_sessionmaker[AsyncSession]
 HANG_S = 60.0
@@ -94,13 +94,11 @@ def relay(sessions: Sessions, cfg: BillingConfig) -> BillingRelay:
 
 async def drain(r: BillingRelay, sessions: Sessions, until_settled: bool = True) -> None:
     """Passes until no event is pending (a deadline only catches hangs)."""
-    deadline = time.monotonic() + HANG_S
-    while True:
+    async def settled() -> bool:
         await r.run_once()
-        if not until_settled or await pending(sessions) == 0:
-            return
-        assert time.monotonic() < deadline, "events still pending"
-        await asyncio.sleep(0.02)
+        return not until_settled or await pending(sessions) == 0
+
+    await await_until(settled, "no billing event left pending", HANG_S)
 
 
 async def pending(sessions: Sessions) -> int:

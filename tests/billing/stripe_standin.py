@@ -36,6 +36,8 @@ from urllib.parse import parse_qsl
 
 import uvicorn
 
+from tests.polling import wait_until
+
 DAY = 86_400
 
 
@@ -324,9 +326,6 @@ def serve(app: StripeStandIn) -> RunningStandIn:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline, "stand-in did not start"
-        time.sleep(0.01)
+    wait_until(lambda: server.started, "the stand-in to start", interval_s=0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     return RunningStandIn(app, server, thread, f"http://127.0.0.1:{port}")

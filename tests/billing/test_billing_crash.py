@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from harness import (
@@ -30,6 +29,7 @@ from stripe_standin import RunningStandIn
 
 from billing.models import COMPLETION, PROMPT
 from tenants.db import create_engine, session_factory
+from tests.polling import await_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,11 +72,12 @@ def test_relay_killed_after_stripes_200_resends_once(db_url: str, stripe_standin
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )
         try:
-            deadline = time.monotonic() + 180  # a loaded 2-core machine starts a Python process slowly
-            while not stripe_standin.app.held.is_set():
+            async def reached_stripe() -> bool:
                 assert child.poll() is None, child.stdout.read().decode() if child.stdout else ""
-                assert time.monotonic() < deadline, "the relay never reached Stripe"
-                await asyncio.sleep(0.02)
+                return stripe_standin.app.held.is_set()
+
+            # A loaded 2-core machine starts a Python process slowly: a generous wait.
+            await await_until(reached_stripe, "the relay to reach Stripe", timeout_s=180)
             child.send_signal(signal.SIGKILL)
         finally:
             child.wait(timeout=60)

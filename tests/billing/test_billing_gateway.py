@@ -4,7 +4,6 @@ requests landing in the outbox, the gateway's own relay sending to the stand-in,
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ from drivers.synthetic import SyntheticDriver
 from gateway.app import create_app
 from gateway.settings import Settings
 from tenants.db import create_engine, session_factory
+from tests.polling import wait_until
 
 ADMIN = {"authorization": "Bearer test-admin-key"}
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
@@ -25,11 +25,14 @@ T = TypeVar("T")
 
 
 def poll(fetch: Callable[[], T], done: Callable[[T], bool], what: str) -> T:
-    deadline = time.monotonic() + 60
-    while not done(result := fetch()):
-        assert time.monotonic() < deadline, f"still waiting for {what}: {result}"
-        time.sleep(0.05)
-    return result
+    last: list[T] = []
+
+    def check() -> bool:
+        last[:] = [fetch()]
+        return done(last[0])
+
+    wait_until(check, what)
+    return last[0]
 
 
 def totals(billed: dict[str, Any], state: str) -> dict[str, int]:

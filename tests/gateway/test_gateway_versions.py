@@ -31,6 +31,7 @@ from version_models import tiny_llama, unsupported
 from engine_native.model.bundled import bundled_model_path
 from engine_native.model.inspect import inspect_model
 from tenants.db import create_postgres_database, drop_postgres_database
+from tests.polling import wait_until as poll_until
 
 PG_SERVER = os.environ.get("SLUICE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -114,11 +115,7 @@ def version_view(server: Server, version: str) -> dict[str, Any]:
 
 
 def wait_until(what: str, predicate: Any) -> Any:
-    deadline = time.monotonic() + HANG_S
-    while not (result := predicate()):
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
-    return result
+    return poll_until(predicate, what, HANG_S)
 
 
 def deploy(pair: list[Server], version: str, source: str) -> None:

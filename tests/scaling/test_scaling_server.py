@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 
 from benchmarks.server_process import ServerProcess
+from tests.polling import wait_until
 
 HANG_S = 60.0  # deadlines only catch hangs
 
@@ -31,10 +32,7 @@ def complete(base_url: str, max_tokens: int) -> httpx.Response:
 
 
 def poll(until: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + HANG_S
-    while not until():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+    wait_until(until, what, HANG_S, interval_s=0.1)
 
 
 def test_desired_workers_rises_with_load_and_falls_when_it_is_gone() -> None:

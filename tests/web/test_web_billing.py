@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from harness import COMPLETION_METER, PROMPT_METER, config, write_usage
 from stripe_standin import RunningStandIn, StripeStandIn, serve
 
 from tenants.db import create_engine, session_factory
+from tests.polling import wait_until
 
 ADMIN_KEY = "console-billing-admin-key"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
@@ -54,11 +54,14 @@ def billing_server(standin: RunningStandIn, data_dir: Path) -> Iterator[Server]:
 
 
 def wait_for(fetch: Any, done: Any, what: str) -> Any:
-    deadline = time.monotonic() + 60
-    while not done(result := fetch()):
-        assert time.monotonic() < deadline, f"still waiting for {what}: {result}"
-        time.sleep(0.1)
-    return result
+    last: list[Any] = []
+
+    def check() -> bool:
+        last[:] = [fetch()]
+        return bool(done(last[0]))
+
+    wait_until(check, what, interval_s=0.1)
+    return last[0]
 
 
 def test_billed_usage_and_relay_state_in_the_console(
