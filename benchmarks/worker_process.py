@@ -90,6 +90,15 @@ class WorkerProcess:
         if not self._log.closed:
             self._log.close()
 
+    def served(self) -> int:
+        """Generate streams this worker finished (its own /metrics)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith('sluice_worker_requests_total{outcome="finished"}'):
+                total += float(line.split()[-1])
+        return int(total)
+
 
 @contextlib.contextmanager
 def worker_processes(count: int, *options: str, prefix: str = "w", env: dict[str, str] | None = None,

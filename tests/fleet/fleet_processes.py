@@ -17,7 +17,7 @@ from typing import TypeVar
 import httpx
 
 from benchmarks.server_process import ServerProcess, free_port
-from benchmarks.worker_process import WorkerProcess as BaseWorkerProcess
+from benchmarks.worker_process import WorkerProcess, worker_processes
 
 SLUICE = str(Path(sys.executable).parent / "sluice")
 HANG_S = 60.0  # a deadline that only catches hangs
@@ -35,35 +35,10 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = HANG_S
     raise AssertionError(f"not reached within {timeout_s:.0f} s: {what}")
 
 
-class WorkerProcess(BaseWorkerProcess):
-    def __init__(self, worker_id: str, options: list[str], env: dict[str, str] | None = None,
-                 startup_timeout_s: float = HANG_S, wait: bool = True) -> None:
-        super().__init__(worker_id, options, env, startup_timeout_s, wait)
-
-    def served(self) -> int:
-        """Generate streams this worker finished (its own /metrics)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith('sluice_worker_requests_total{outcome="finished"}'):
-                total += float(line.split()[-1])
-        return int(total)
-
-
-@contextlib.contextmanager
 def workers(count: int, *options: str, prefix: str = "w", env: dict[str, str] | None = None,
-            startup_timeout_s: float = HANG_S) -> Iterator[list[WorkerProcess]]:
+            startup_timeout_s: float = HANG_S) -> contextlib.AbstractContextManager[list[WorkerProcess]]:
     """`count` workers started side by side (model loads overlap), all ready."""
-    started: list[WorkerProcess] = []
-    try:
-        for i in range(count):
-            started.append(WorkerProcess(f"{prefix}{i}", list(options), env, startup_timeout_s, wait=False))
-        for w in started:
-            w.wait_ready(startup_timeout_s)
-        yield started
-    finally:
-        for w in started:
-            w.stop()
+    return worker_processes(count, *options, prefix=prefix, env=env, startup_timeout_s=startup_timeout_s)
 
 
 @contextlib.contextmanager
