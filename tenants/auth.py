@@ -2,7 +2,9 @@
 
 Key lookups are cached for `ttl_s` (1 s by default, positive and negative answers
 alike), so a revocation, suspension or limit change reaches every replica within
-that TTL plus one DB read, without a DB query per request. The cache is two bounded
+that TTL plus one DB read, without a DB query per request. The replica that makes the
+change forgets at once (`forget`), and a lookup that was already reading the database
+when it did is not cached, so there a revoked key is refused on its next request. The cache is two bounded
 LRU maps: keys that exist, and hashes that matched no key. A spray of random keys
 only ever evicts other unknown hashes, never a known key.
 """
@@ -105,6 +107,9 @@ class _LRUCache(Generic[V]):
     def discard(self, key: str) -> None:
         self._entries.pop(key, None)
 
+    def clear(self) -> None:
+        self._entries.clear()
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -131,6 +136,8 @@ class KeyAuthenticator:
         self._known: _LRUCache[_KeyRecord] = _LRUCache(self.config.max_known, self.config.ttl_s, clock)
         self._unknown: _LRUCache[None] = _LRUCache(self.config.max_unknown, self.config.ttl_s, clock)
         self._loading: dict[str, asyncio.Future[_KeyRecord | None]] = {}
+        self._generation = 0
+        """Bumped by forget(): a read that started before it may hold what was just changed."""
 
     async def authenticate(self, key: str | None) -> TenantContext:
         """The caller behind `key`, or AuthenticationError (401) / PermissionDeniedError (403)."""
@@ -150,6 +157,20 @@ class KeyAuthenticator:
             raise PermissionDeniedError(f"Tenant '{record.context.tenant_name}' is suspended")
         return record.context
 
+    def forget(self, key_hash: str | None = None) -> None:
+        """Drop what is cached of `key_hash` (of every key when None) after this replica changed
+        it (revoked a key, suspended or changed a tenant): its next request reads the database."""
+        self._generation += 1
+        # A read in flight still answers its waiters, but later requests start a new one.
+        if key_hash is None:
+            self._known.clear()
+            self._unknown.clear()
+            self._loading.clear()
+        else:
+            self._known.discard(key_hash)
+            self._unknown.discard(key_hash)
+            self._loading.pop(key_hash, None)
+
     async def _record(self, key_hash: str) -> _KeyRecord | None:
         hit, record = self._known.get(key_hash)
         if hit:
@@ -162,9 +183,12 @@ class KeyAuthenticator:
             return await asyncio.shield(pending)
         future: asyncio.Future[_KeyRecord | None] = asyncio.get_running_loop().create_future()
         self._loading[key_hash] = future
+        generation = self._generation
         try:
             record = await self._load(key_hash)
-            if record is None:
+            if generation != self._generation:
+                pass  # forgotten meanwhile: what was read may predate the change
+            elif record is None:
                 self._known.discard(key_hash)
                 self._unknown.put(key_hash, None)
             else:
@@ -177,7 +201,8 @@ class KeyAuthenticator:
             future.exception()  # mark retrieved: waiters re-raise it, nobody else must
             raise
         finally:
-            del self._loading[key_hash]
+            if self._loading.get(key_hash) is future:
+                del self._loading[key_hash]
 
     async def _load(self, key_hash: str) -> _KeyRecord | None:
         async with self.sessions() as session:

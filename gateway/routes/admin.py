@@ -44,9 +44,13 @@ Start = Annotated[
 End = Annotated[dt.datetime | None, QueryParameter(description="exclusive, ISO 8601; default: now")]
 
 
-def _tenants(request: Request) -> TenantService:
+def _tenancy(request: Request) -> Tenancy:
     tenancy: Tenancy = request.app.state["tenancy"]
-    return tenancy.tenants
+    return tenancy
+
+
+def _tenants(request: Request) -> TenantService:
+    return _tenancy(request).tenants
 
 
 @post(
@@ -90,7 +94,9 @@ async def update_tenant(
     request: Request, tenant_id: FromPath[str], data: JSONBody[TenantUpdate], admin: NamedDependency[None]
 ) -> TenantOut:
     """Change limits, tier or name; `{"status": "suspended"}` suspends, `"active"` reactivates."""
-    return TenantOut.of(await _tenants(request).update_tenant(tenant_id, data.changes()))
+    tenant = await _tenants(request).update_tenant(tenant_id, data.changes())
+    _tenancy(request).keys.forget()  # the cache is by key, not tenant; it refills in one read per key
+    return TenantOut.of(tenant)
 
 
 @delete(
@@ -100,6 +106,7 @@ async def update_tenant(
 async def delete_tenant(request: Request, tenant_id: FromPath[str], admin: NamedDependency[None]) -> None:
     """Deletes the tenant and its keys; its usage records stay (billing history)."""
     await _tenants(request).delete_tenant(tenant_id)
+    _tenancy(request).keys.forget()
 
 
 @post(
@@ -128,8 +135,11 @@ async def list_keys(request: Request, tenant_id: FromPath[str], admin: NamedDepe
     responses=error_responses(400, 401, 403, 404),
 )
 async def revoke_key(request: Request, key_id: FromPath[str], admin: NamedDependency[None]) -> KeyOut:
-    """Revokes at once in the database; every replica refuses the key within the auth cache TTL (1 s)."""
-    return KeyOut.of(await _tenants(request).revoke_key(key_id))
+    """Revokes at once in the database; this replica refuses the key from its next request, every
+    other replica within the auth cache TTL (1 s)."""
+    key = await _tenants(request).revoke_key(key_id)
+    _tenancy(request).keys.forget(key.key_hash)
+    return KeyOut.of(key)
 
 
 @get(

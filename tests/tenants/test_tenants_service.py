@@ -171,6 +171,54 @@ def test_key_cache_serves_within_ttl_then_sees_revocation(db_url: str) -> None:
     run(db_url, scenario)
 
 
+def test_the_replica_that_revokes_forgets_at_once_even_a_read_already_in_flight(db_url: str) -> None:
+    """Before: a lookup that read the key just before the revocation cached it for a full TTL
+    after, so the console's 'revoked' sign-out waited on timing (seen failing in CI)."""
+
+    async def scenario(sessions: Sessions) -> None:
+        service = TenantService(sessions)
+        tenant = await service.create_tenant(TenantSpec(name=unique("forget")))
+        key, secret = await service.create_key(tenant.id, "k")
+        auth = KeyAuthenticator(sessions, KeyCacheConfig(ttl_s=3600.0), clock=FakeClock())
+        await auth.authenticate(secret)
+        await service.revoke_key(key.id)
+        auth.forget(key.key_hash)
+        with pytest.raises(AuthenticationError, match="revoked"):
+            await auth.authenticate(secret)
+
+        # A read that started before the change answers its own caller but is not cached.
+        other, other_secret = await service.create_key(tenant.id, "k2")
+        read_started, change_made = asyncio.Event(), asyncio.Event()
+        load = auth._load
+
+        async def slow_load(key_hash: str) -> Any:
+            found = await load(key_hash)
+            read_started.set()
+            await change_made.wait()
+            return found
+
+        auth._load = slow_load  # type: ignore[method-assign]
+        in_flight = asyncio.create_task(auth.authenticate(other_secret))
+        await read_started.wait()
+        await service.revoke_key(other.id)
+        auth.forget(other.key_hash)
+        change_made.set()
+        await in_flight  # it read the key before the revocation
+        auth._load = load  # type: ignore[method-assign]
+        with pytest.raises(AuthenticationError, match="revoked"):
+            await auth.authenticate(other_secret)
+
+        # Suspending a tenant forgets every key.
+        _, fresh_secret = await service.create_key(tenant.id, "k3")
+        await auth.authenticate(fresh_secret)
+        await service.update_tenant(tenant.id, {"status": "suspended"})
+        auth.forget()
+        with pytest.raises(PermissionDeniedError):
+            await auth.authenticate(fresh_secret)
+
+    run(db_url, scenario)
+
+
 def test_a_spray_of_unknown_keys_never_evicts_a_known_one(db_url: str) -> None:
     """Before: the 50,000th distinct key cleared the whole cache, known keys included, so a spray
     of random keys sent every real caller to the database."""

@@ -19,6 +19,7 @@ export class ApiError extends Error {
 }
 
 export async function api(path, { method = "GET", body, key = session.key } = {}) {
+  if (!key) throw new ApiError(401, "Signed out"); // never send "Bearer null"
   const headers = { authorization: `Bearer ${key}` };
   if (body !== undefined) headers["content-type"] = "application/json";
   let response;

@@ -17,6 +17,9 @@ function signOut(message) {
 
 /** Show an error where it happened; a refused key (401) ends the session. */
 function fail(error, where) {
+  // Signed out already (a panel loading beside the one that saw the 401): the sign-in screen
+  // says why, and this panel's error would replace that reason with a keyless request's.
+  if (!session.key) return;
   if (error instanceof ApiError && error.status === 401) {
     signOut(`Your key was refused: ${error.message}`);
     return;
