@@ -88,6 +88,9 @@ class EngineConfig:
     # (model/quant.py: the same weight values, 4-8x fewer bytes read than fp32) instead of the dense
     # weights; bigger steps are compute-bound and use the dense GEMM. 0 turns it off.
     quantized_max_rows: int = 8
+    # Keep the dense bf16 weights in oneDNN's blocked layout (model/llama.py pack_dense) where the CPU
+    # computes bf16 natively: the same results, without re-laying a weight out at every GEMM.
+    pack_weights: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     node_id: str = "node-0"

@@ -70,6 +70,8 @@ class LLMEngine:
         if num_quantized:
             log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices",
                      config.quantized_max_rows, num_quantized)
+        if config.pack_weights and (num_packed := self.loaded.model.pack_dense()):
+            log.info("%d dense weight matrices pre-packed for oneDNN", num_packed)
         # The quantized steps (and the fused decoder among them) attend over an fp32 cache; with bf16
         # weights that doubles the KV bytes of this small-head model and keeps those steps exact.
         default_kv_dtype = torch.float32 if num_quantized else self.loaded.dtype

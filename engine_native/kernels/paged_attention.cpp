@@ -43,12 +43,157 @@ void softmax(float* s, int64_t len) {
   for (int64_t i = 0; i < len; ++i) s[i] *= inv;
 }
 
+#ifdef __AVX512F__
+// The AVX-512 path. The scalar-per-dot walk above it would reduce a vector to one float for every
+// (query head, key) pair, which costs more than the dot product itself at D = 64; here eight keys'
+// partial sums are reduced together (hadd tree), and the weighted sum of the values keeps every
+// output row of the query heads in registers across the whole context instead of loading and
+// storing it once per key. Same sums of the same products as the walk, in another order: results
+// agree to float rounding.
+
+// Eight dot products' 16-lane partial sums -> their eight totals, in order.
+inline __m256 reduce8(const __m512* acc) {
+  __m256 h[8];
+  for (int i = 0; i < 8; ++i)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
+  const __m256 a = _mm256_hadd_ps(h[0], h[1]), b = _mm256_hadd_ps(h[2], h[3]);
+  const __m256 c = _mm256_hadd_ps(h[4], h[5]), e = _mm256_hadd_ps(h[6], h[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), ce = _mm256_hadd_ps(c, e);
+  // ab = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low and high 128-bit halves of the same four dots).
+  const __m256 lo = _mm256_permute2f128_ps(ab, ce, 0x20), hi = _mm256_permute2f128_ps(ab, ce, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+
+// scores[(kvh * g + j) * len + t] = (q_{kvh,j} . key_{t,kvh}) * scale for the KV heads [kv0, kv1) of one
+// sequence and the g query heads of each; `rows[t]` is token t's row of the cache (all KV heads, each
+// d floats), d % 16 == 0. Rows are read whole, in token order, with the next group's asked for ahead:
+// the blocks are scattered over the pool and a row is read from memory, not cache.
+void decode_scores(const float* q, int64_t kv0, int64_t kv1, int64_t g, int64_t d, const float* const* rows,
+                   int64_t len, float scale, float* scores) {
+  const int64_t nv = d / 16;
+  for (int64_t t0 = 0; t0 < len; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, len - t0);
+    for (int64_t i = t0 + 8; i < std::min(t0 + 16, len); ++i)
+      for (int64_t c = kv0 * d; c < kv1 * d; c += 16) _mm_prefetch(reinterpret_cast<const char*>(rows[i] + c), _MM_HINT_T0);
+    for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+      const float* k[8];
+      for (int64_t i = 0; i < 8; ++i) k[i] = rows[t0 + std::min(i, n - 1)] + kvh * d;  // a short tail repeats its last key
+      for (int64_t j = kvh * g; j < (kvh + 1) * g; ++j) {
+        __m512 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < nv; ++c) {
+          const __m512 qc = _mm512_loadu_ps(q + j * d + c * 16);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[i] + c * 16), acc[i]);
+        }
+        const __m256 s = _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale));
+        if (n == 8) {
+          _mm256_storeu_ps(scores + j * len + t0, s);
+        } else {
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, s);
+          std::copy(tmp, tmp + n, scores + j * len + t0);
+        }
+      }
+    }
+  }
+}
+
+// out[j] = sum_t p[j * len + t] * value_t for JN query heads and CN 16-float chunks of d starting at
+// `col`; every accumulator stays in a register for the whole walk over the context.
+template <int JN, int CN>
+void weighted_values(const float* p, int64_t len, const float* const* values, int64_t col, int64_t d, float* out,
+                     int64_t prefetch_floats) {
+  __m512 acc[JN][CN];
+  for (int j = 0; j < JN; ++j)
+    for (int c = 0; c < CN; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + 8 < len)
+      for (int64_t c = 0; c < prefetch_floats; c += 16) _mm_prefetch(reinterpret_cast<const char*>(values[t + 8] + c), _MM_HINT_T0);
+    __m512 v[CN];
+    for (int c = 0; c < CN; ++c) v[c] = _mm512_loadu_ps(values[t] + col + c * 16);
+    for (int j = 0; j < JN; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j * len + t]);
+      for (int c = 0; c < CN; ++c) acc[j][c] = _mm512_fmadd_ps(pj, v[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < JN; ++j)
+    for (int c = 0; c < CN; ++c) _mm512_storeu_ps(out + j * d + col + c * 16, acc[j][c]);
+}
+
+template <int JN>
+void weighted_values_cols(const float* p, int64_t len, const float* const* values, int64_t col, int64_t cn,
+                          int64_t d, float* out, int64_t prefetch_floats) {
+  switch (cn) {
+    case 1: weighted_values<JN, 1>(p, len, values, col, d, out, prefetch_floats); break;
+    case 2: weighted_values<JN, 2>(p, len, values, col, d, out, prefetch_floats); break;
+    case 3: weighted_values<JN, 3>(p, len, values, col, d, out, prefetch_floats); break;
+    default: weighted_values<JN, 4>(p, len, values, col, d, out, prefetch_floats); break;
+  }
+}
+
+// out[kvh * g + j] = sum_t p[(kvh * g + j) * len + t] * value_{t,kvh} for the KV heads [kv0, kv1). The first
+// walk asks for whole rows ahead, so the later heads' walks find them in cache.
+void decode_values(const float* p, int64_t kv0, int64_t kv1, int64_t g, int64_t d, const float* const* rows,
+                   int64_t len, float* out, std::vector<const float*>& shifted) {
+  shifted.resize(static_cast<size_t>(len));
+  bool first = true;
+  for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+    for (int64_t t = 0; t < len; ++t) shifted[t] = rows[t] + kvh * d;
+    for (int64_t j0 = 0; j0 < g; j0 += 4) {  // at most 4 heads x 4 chunks = 16 accumulators at a time
+      const int64_t jn = std::min<int64_t>(4, g - j0);
+      for (int64_t col = 0; col < d; col += 64) {
+        const int64_t cn = std::min<int64_t>(4, (d - col) / 16);
+        const int64_t ahead = first ? (kv1 - kvh) * d : 0;
+        first = false;
+        const float* pj = p + (kvh * g + j0) * len;
+        float* oj = out + (kvh * g + j0) * d;
+        switch (jn) {
+          case 1: weighted_values_cols<1>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
+          case 2: weighted_values_cols<2>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
+          case 3: weighted_values_cols<3>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
+          default: weighted_values_cols<4>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
+        }
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* k_cache, const float* v_cache,
                   int64_t num_blocks, int64_t block_size, int64_t hkv, const int64_t* tables, int64_t max_blocks,
                   const int64_t* lens, float scale, float* out) {
   const int64_t g = h / hkv, token_stride = hkv * d, block_stride = block_size * hkv * d;
+#ifdef __AVX512F__
+  if (d % 16 == 0) {
+    // A job is a whole sequence (its rows are read once, in order) unless that leaves a thread idle.
+    const int64_t split = b >= 2 * at::get_num_threads() ? 1 : hkv;
+    at::parallel_for(0, b * split, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      std::vector<const float*> krows, vrows, shifted;
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t seq = job / split, len = lens[seq];
+        const int64_t kv0 = split == 1 ? 0 : job % split, kv1 = split == 1 ? hkv : kv0 + 1;
+        const int64_t* table = tables + seq * max_blocks;
+        krows.resize(static_cast<size_t>(len));
+        vrows.resize(static_cast<size_t>(len));
+        for (int64_t t = 0; t < len; ++t) {
+          const int64_t at = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+          krows[t] = k_cache + at;
+          vrows[t] = v_cache + at;
+        }
+        scores.resize(static_cast<size_t>(h * len));
+        const float* qs = q + seq * h * d;
+        decode_scores(qs, kv0, kv1, g, d, krows.data(), len, scale, scores.data());
+        for (int64_t j = kv0 * g; j < kv1 * g; ++j) softmax(scores.data() + j * len, len);
+        decode_values(scores.data(), kv0, kv1, g, d, vrows.data(), len, out + seq * h * d, shifted);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t job = begin; job < end; ++job) {

@@ -41,6 +41,11 @@ class CausalLM(Protocol):
         `max_rows` tokens; returns how many weight matrices will (0 where unsupported)."""
         ...
 
+    def pack_dense(self, batch_hint: int = 32) -> int:
+        """Lay the dense weights out for the host's GEMM library once, where that is faster and
+        changes no result; returns how many matrices were (0 where it does not apply)."""
+        ...
+
 
 class Tokenizer(Protocol):
     bos_token_id: int | None

@@ -23,15 +23,19 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tab
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-def test_kernel_matches_softmax_attention(heads: int, kv_heads: int, head_dim: int) -> None:
+# (10, 2, 80): five query heads per KV head and a head_dim that is not a multiple of 64 (the AVX-512
+# walk takes four heads and 64 columns at a time); (6, 3, 24): not a multiple of 16 (the AVX2 walk).
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (10, 2, 80), (6, 3, 24)])
+@pytest.mark.parametrize("lens", [[1, 7, 16, 17, 100, 203], [203]], ids=["batch", "alone"])
+def test_kernel_matches_softmax_attention(heads: int, kv_heads: int, head_dim: int, lens: list[int]) -> None:
+    """A batch is split over threads by sequence, a sequence alone by KV head: both are checked."""
     kernels = cpu_kernels()
     assert kernels is not None
     g = torch.Generator().manual_seed(heads)
     num_blocks, bs = 40, 16
     k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g)
-    lens = [1, 7, 16, 17, 100, 203]  # one token, partial blocks, exact blocks, many blocks
+    # one token, partial blocks, exact blocks, many blocks
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
     width = max(len(t) for t in tables)
