@@ -153,6 +153,17 @@ class DecoderLayer(nn.Module):
         """x: the float32 residual stream [T, hidden]."""
         cfg = self.config
         t = x.shape[0]
+        kernels = cpu_kernels() if k_cache.dtype == torch.float32 else None
+        if kernels is not None:  # the row-wise steps as one C++ pass each (kernels/elementwise.cpp)
+            h = kernels.rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+            qkv = self._linear(h, "qkv_weight", self.qkv_bias)
+            q = kernels.rope_write_kv(qkv, cos.view(t, -1), sin.view(t, -1), k_cache, v_cache, slots,
+                                      cfg.num_heads, cfg.num_kv_heads)
+            attn = paged_attention(q, k_cache, v_cache, plan)
+            h = kernels.add_rms_norm(x, self._linear(attn.reshape(t, self.q_size), "o_weight"), self.post_norm,
+                                     cfg.rms_norm_eps)
+            act = kernels.silu_mul(self._linear(h, "gate_up_weight"))
+            return x.add_(self._linear(act, "down_weight"))
         h = F.rms_norm(x, (x.shape[-1],), self.input_norm, cfg.rms_norm_eps)
         qkv = self._linear(h, "qkv_weight", self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -1,0 +1,56 @@
+"""The row-wise C++ steps between a layer's GEMMs (kernels/elementwise.cpp) against their PyTorch formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_native.kernels import cpu_kernels
+from engine_native.model.attention import write_kv
+from engine_native.model.rope import RotaryTable, apply_rotary
+
+
+@pytest.fixture(scope="module")
+def kernels():  # type: ignore[no-untyped-def]
+    k = cpu_kernels()
+    assert k is not None
+    return k
+
+
+def test_norms_and_activation_match_pytorch(kernels) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 5, 33):  # below and above a thread's share of rows
+        x = torch.randn(rows, 576, generator=g) * 30  # SmolLM2's residual reaches tens of thousands
+        w = torch.randn(576, generator=g)
+        ref = F.rms_norm(x, (576,), w, 1e-5)
+        torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), ref, rtol=1e-5, atol=1e-5)
+        delta = torch.randn(rows, 576, generator=g)
+        summed = x + delta
+        h = kernels.add_rms_norm(x, delta, w, 1e-5)
+        torch.testing.assert_close(x, summed)  # in place
+        torch.testing.assert_close(h, F.rms_norm(summed, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+        gate_up = torch.randn(rows, 2 * 1536, generator=g) * 4
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_and_cache_writes_match_pytorch(kernels) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, t = 9, 3, 64, 7
+    rope = RotaryTable(d, 2048, 10000.0, None, torch.float32)
+    positions = torch.tensor([0, 1, 2, 100, 101, 2047, 5])
+    cos, sin = rope.lookup(positions)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    slots = torch.tensor([3, 4, 5, 40, 41, 63, 0])
+    caches = [torch.zeros(4, 16, kv_heads, d) for _ in range(4)]
+    q = kernels.rope_write_kv(qkv, cos.view(t, -1), sin.view(t, -1), caches[0], caches[1], slots, heads, kv_heads)
+    rq, rk, rv = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    ref_q = apply_rotary(rq.view(t, heads, d), cos, sin)
+    write_kv(caches[2], caches[3], apply_rotary(rk.view(t, kv_heads, d), cos, sin), rv.view(t, kv_heads, d), slots)
+    torch.testing.assert_close(q, ref_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(caches[0], caches[2], rtol=1e-6, atol=1e-6)
+    assert torch.equal(caches[1], caches[3])  # V is copied, not computed
+    with pytest.raises(RuntimeError, match="slot beyond the KV pool"):
+        kernels.rope_write_kv(qkv, cos.view(t, -1), sin.view(t, -1), caches[0], caches[1], slots + 64, heads,
+                              kv_heads)
