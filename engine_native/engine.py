@@ -24,6 +24,7 @@ from engine_native.forward_batch import KVCache
 from engine_native.kv_cache_manager import KVCacheManager
 from engine_native.messages import EngineStats, LogprobEntry, LogprobTop, RequestOutput
 from engine_native.model.base import LoadedModel, Tokenizer
+from engine_native.model.llama import kernels_take_bf16_cache
 from engine_native.model.loader import load_model
 from engine_native.precision import parse_dtype
 from engine_native.request import Request, RequestStatus
@@ -72,9 +73,11 @@ class LLMEngine:
                      config.quantized_max_rows, num_quantized)
         if config.pack_weights and (num_packed := self.loaded.model.pack_dense()):
             log.info("%d dense weight matrices pre-packed for oneDNN", num_packed)
-        # The quantized steps (and the fused decoder among them) attend over an fp32 cache; with bf16
-        # weights that doubles the KV bytes of this small-head model and keeps those steps exact.
-        default_kv_dtype = torch.float32 if num_quantized else self.loaded.dtype
+        # The quantized steps (and the fused decoder among them) attend through Sluice's kernels, which
+        # take an fp32 cache anywhere and a bf16 one on AVX-512; bf16 halves the bytes a decode reads.
+        default_kv_dtype = self.loaded.dtype
+        if num_quantized and not (self.loaded.dtype == torch.bfloat16 and kernels_take_bf16_cache()):
+            default_kv_dtype = torch.float32
         kv_dtype = parse_dtype(config.kv_dtype) if config.kv_dtype else default_kv_dtype
         block_size = config.cache.block_size
         num_blocks = num_kv_blocks(config, model_cfg, kv_dtype, self.max_model_len)

@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 #include "rowops.h"
 
 namespace sluice {
@@ -59,6 +61,29 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w
   return out;
 }
 
+template <typename KV>
+void write_rows(const torch::Tensor& qkv, torch::Tensor& q, KV* kc, KV* vc, const torch::Tensor& cos,
+                const torch::Tensor& sin, const int64_t* ss, int64_t heads, int64_t kv_heads, int64_t d) {
+  const int64_t row = kv_heads * d, width = qkv.size(1);
+  const float* src = qkv.data_ptr<float>();
+  float* qs = q.data_ptr<float>();
+  const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
+  at::parallel_for(0, qkv.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> k(static_cast<size_t>(row));
+    for (int64_t i = begin; i < end; ++i) {
+      const float* in = src + i * width;
+      const float *c = cs + i * d, *s = sn + i * d;
+      float* qrow = qs + i * heads * d;
+      std::copy(in, in + heads * d, qrow);
+      rotate(qrow, heads, d, c, s);
+      std::copy(in + heads * d, in + heads * d + row, k.data());
+      rotate(k.data(), kv_heads, d, c, s);
+      store_row(kc + ss[i] * row, k.data(), row);
+      store_row(vc + ss[i] * row, in + heads * d + row, row);
+    }
+  });
+}
+
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor slots, int64_t heads, int64_t kv_heads) {
   check_rows(qkv, "qkv");
@@ -69,32 +94,23 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
               "cos/sin: contiguous fp32 [T, head_dim], each token's row of the rotary table");
   const int64_t d = cos.size(1);
   TORCH_CHECK(d % 16 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * d, "qkv: [T, (H + 2 Hkv) * head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == torch::kFloat32 &&
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(k_cache.dim() == 4 && (bf16 || k_cache.scalar_type() == torch::kFloat32) && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
                   v_cache.is_contiguous() && k_cache.size(2) == kv_heads && k_cache.size(3) == d,
-              "k/v_cache: contiguous fp32 [num_blocks, block_size, Hkv, D]");
+              "k/v_cache: contiguous fp32 or bf16 [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == t && slots.scalar_type() == torch::kInt64, "slots: int64 [T]");
   const auto slot = slots.contiguous();
   const int64_t* ss = slot.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = kv_heads * d, width = qkv.size(1);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(ss[i] >= 0 && ss[i] < num_slots, "slot beyond the KV pool");
   auto q = torch::empty({t, heads, d}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  float *qs = q.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
-  const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
-  at::parallel_for(0, t, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* in = src + i * width;
-      const float *c = cs + i * d, *s = sn + i * d;
-      float* qrow = qs + i * heads * d;
-      std::copy(in, in + heads * d, qrow);
-      rotate(qrow, heads, d, c, s);
-      float* krow = kc + ss[i] * row;
-      std::copy(in + heads * d, in + heads * d + row, krow);
-      rotate(krow, kv_heads, d, c, s);
-      std::copy(in + heads * d + row, in + heads * d + 2 * row, vc + ss[i] * row);
-    }
-  });
+  if (bf16) {
+    write_rows(qkv, q, reinterpret_cast<uint16_t*>(k_cache.data_ptr()), reinterpret_cast<uint16_t*>(v_cache.data_ptr()),
+               cos, sin, ss, heads, kv_heads, d);
+  } else {
+    write_rows(qkv, q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), cos, sin, ss, heads, kv_heads, d);
+  }
   return q;
 }
 

@@ -70,10 +70,15 @@ class FusedDecoder {
       TORCH_CHECK(mats_[4 * l + 1].n == hidden && mats_[4 * l + 1].k == heads * head_dim, "o shape");
       TORCH_CHECK(mats_[4 * l + 2].n == 2 * intermediate && mats_[4 * l + 2].k == hidden, "gate_up shape");
       TORCH_CHECK(mats_[4 * l + 3].n == hidden && mats_[4 * l + 3].k == intermediate, "down shape");
-      TORCH_CHECK(k_cache[l].scalar_type() == torch::kFloat32 && k_cache[l].is_contiguous() &&
-                      v_cache[l].scalar_type() == torch::kFloat32 && v_cache[l].is_contiguous() &&
+#ifdef __AVX512F__
+      const bool dtype_ok = k_cache[l].scalar_type() == torch::kFloat32 || k_cache[l].scalar_type() == torch::kBFloat16;
+#else
+      const bool dtype_ok = k_cache[l].scalar_type() == torch::kFloat32;
+#endif
+      TORCH_CHECK(dtype_ok && k_cache[l].scalar_type() == k_cache[0].scalar_type() && k_cache[l].is_contiguous() &&
+                      v_cache[l].scalar_type() == k_cache[l].scalar_type() && v_cache[l].is_contiguous() &&
                       k_cache[l].dim() == 4 && k_cache[l].size(2) == kv_heads && k_cache[l].size(3) == head_dim,
-                  "KV caches must be contiguous fp32 [blocks, block_size, kv_heads, head_dim]");
+                  "KV caches must be contiguous fp32 (or bf16 on AVX-512) [blocks, block_size, kv_heads, head_dim]");
     }
     TORCH_CHECK(mats_.back().k == hidden, "lm head shape");
     for (auto& n : norms) norms_.push_back(n.contiguous().to(torch::kFloat32));
@@ -120,9 +125,10 @@ class FusedDecoder {
     std::vector<float> h(m * hidden_), qkv(m * qkv_n), q(m * q_size), attn(m * q_size), delta(m * hidden_),
         gu(m * 2 * inter_), act(m * inter_);
     const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
+    const bool bf16 = k_cache_[0].scalar_type() == torch::kBFloat16;
     for (int64_t l = 0; l < layers_; ++l) {
-      float* kc = k_cache_[l].data_ptr<float>();
-      float* vc = v_cache_[l].data_ptr<float>();
+      void* kc = k_cache_[l].data_ptr();
+      void* vc = v_cache_[l].data_ptr();
       const float* w_in = norms_[2 * l].data_ptr<float>();
       const float* w_post = norms_[2 * l + 1].data_ptr<float>();
       for (int64_t i = 0; i < m; ++i) rmsnorm(xr + i * hidden_, w_in, hidden_, eps_, h.data() + i * hidden_);
@@ -135,11 +141,24 @@ class FusedDecoder {
         rotate(row, heads_, d_, c, s);                 // q
         rotate(row + q_size, kv_heads_, d_, c, s);     // k
         std::copy(row, row + q_size, q.data() + i * q_size);
-        std::copy(row + q_size, row + q_size + kv_size, kc + slot[i] * kv_size);
-        std::copy(row + q_size + kv_size, row + qkv_n, vc + slot[i] * kv_size);
+        if (bf16) {
+          store_row(static_cast<uint16_t*>(kc) + slot[i] * kv_size, row + q_size, kv_size);
+          store_row(static_cast<uint16_t*>(vc) + slot[i] * kv_size, row + q_size + kv_size, kv_size);
+        } else {
+          store_row(static_cast<float*>(kc) + slot[i] * kv_size, row + q_size, kv_size);
+          store_row(static_cast<float*>(vc) + slot[i] * kv_size, row + q_size + kv_size, kv_size);
+        }
       }
-      paged_decode(q.data(), m, heads_, d_, kc, vc, num_blocks, bs, kv_heads_, tables, max_blocks, lens, scale,
-                   attn.data());
+#ifdef __AVX512F__
+      if (bf16) {
+        paged_decode_bf16(q.data(), m, heads_, d_, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc),
+                          bs, kv_heads_, tables, max_blocks, lens, scale, attn.data());
+      } else
+#endif
+      {
+        paged_decode(q.data(), m, heads_, d_, static_cast<const float*>(kc), static_cast<const float*>(vc),
+                     num_blocks, bs, kv_heads_, tables, max_blocks, lens, scale, attn.data());
+      }
       mats_[4 * l + 1].apply(attn.data(), m, delta.data());
       add_inplace(xr, delta.data(), m * hidden_);
       for (int64_t i = 0; i < m; ++i) rmsnorm(xr + i * hidden_, w_post, hidden_, eps_, h.data() + i * hidden_);

@@ -20,6 +20,14 @@
 #include "simd.h"
 
 namespace sluice {
+
+// Whether the decode attention, the fused decoder and the K/V writes take a bf16 cache (AVX-512 only).
+#ifdef __AVX512F__
+constexpr bool kBf16Cache = true;
+#else
+constexpr bool kBf16Cache = false;
+#endif
+
 namespace {
 
 // s[0..len) <- softmax(s[0..len)) in place.
@@ -65,26 +73,39 @@ inline __m256 reduce8(const __m512* acc) {
   return _mm256_add_ps(lo, hi);
 }
 
+// 16 cache elements as fp32: an fp32 cache is read as is, a bf16 one (uint16 bits) widened exactly.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+template <typename KV>
+inline void prefetch_row(const KV* row, int64_t from, int64_t to) {
+  constexpr int64_t kLine = 64 / sizeof(KV);  // elements per cache line
+  for (int64_t c = from; c < to; c += kLine) _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T0);
+}
+
 // scores[(kvh * g + j) * len + t] = (q_{kvh,j} . key_{t,kvh}) * scale for the KV heads [kv0, kv1) of one
 // sequence and the g query heads of each; `rows[t]` is token t's row of the cache (all KV heads, each
-// d floats), d % 16 == 0. Rows are read whole, in token order, with the next group's asked for ahead:
+// d elements), d % 16 == 0. Rows are read whole, in token order, with the next group's asked for ahead:
 // the blocks are scattered over the pool and a row is read from memory, not cache.
-void decode_scores(const float* q, int64_t kv0, int64_t kv1, int64_t g, int64_t d, const float* const* rows,
+template <typename KV>
+void decode_scores(const float* q, int64_t kv0, int64_t kv1, int64_t g, int64_t d, const KV* const* rows,
                    int64_t len, float scale, float* scores) {
   const int64_t nv = d / 16;
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - t0);
-    for (int64_t i = t0 + 8; i < std::min(t0 + 16, len); ++i)
-      for (int64_t c = kv0 * d; c < kv1 * d; c += 16) _mm_prefetch(reinterpret_cast<const char*>(rows[i] + c), _MM_HINT_T0);
+    for (int64_t i = t0 + 8; i < std::min(t0 + 16, len); ++i) prefetch_row(rows[i], kv0 * d, kv1 * d);
     for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
-      const float* k[8];
+      const KV* k[8];
       for (int64_t i = 0; i < 8; ++i) k[i] = rows[t0 + std::min(i, n - 1)] + kvh * d;  // a short tail repeats its last key
       for (int64_t j = kvh * g; j < (kvh + 1) * g; ++j) {
         __m512 acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t c = 0; c < nv; ++c) {
           const __m512 qc = _mm512_loadu_ps(q + j * d + c * 16);
-          for (int i = 0; i < 8; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[i] + c * 16), acc[i]);
+          for (int i = 0; i < 8; ++i) acc[i] = _mm512_fmadd_ps(qc, load16(k[i] + c * 16), acc[i]);
         }
         const __m256 s = _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale));
         if (n == 8) {
@@ -99,19 +120,19 @@ void decode_scores(const float* q, int64_t kv0, int64_t kv1, int64_t g, int64_t 
   }
 }
 
-// out[j] = sum_t p[j * len + t] * value_t for JN query heads and CN 16-float chunks of d starting at
-// `col`; every accumulator stays in a register for the whole walk over the context.
-template <int JN, int CN>
-void weighted_values(const float* p, int64_t len, const float* const* values, int64_t col, int64_t d, float* out,
-                     int64_t prefetch_floats) {
+// out[j] = sum_t p[j * len + t] * value_t for JN query heads and CN 16-element chunks of d starting at
+// `col`; every accumulator stays in a register for the whole walk over the context. The first
+// `prefetch` elements of the row `ahead` tokens on are asked for as it goes.
+template <typename KV, int JN, int CN>
+void weighted_values(const float* p, int64_t len, const KV* const* values, int64_t col, int64_t d, float* out,
+                     int64_t prefetch) {
   __m512 acc[JN][CN];
   for (int j = 0; j < JN; ++j)
     for (int c = 0; c < CN; ++c) acc[j][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
-    if (t + 8 < len)
-      for (int64_t c = 0; c < prefetch_floats; c += 16) _mm_prefetch(reinterpret_cast<const char*>(values[t + 8] + c), _MM_HINT_T0);
+    if (t + 8 < len) prefetch_row(values[t + 8], 0, prefetch);
     __m512 v[CN];
-    for (int c = 0; c < CN; ++c) v[c] = _mm512_loadu_ps(values[t] + col + c * 16);
+    for (int c = 0; c < CN; ++c) v[c] = load16(values[t] + col + c * 16);
     for (int j = 0; j < JN; ++j) {
       const __m512 pj = _mm512_set1_ps(p[j * len + t]);
       for (int c = 0; c < CN; ++c) acc[j][c] = _mm512_fmadd_ps(pj, v[c], acc[j][c]);
@@ -121,21 +142,22 @@ void weighted_values(const float* p, int64_t len, const float* const* values, in
     for (int c = 0; c < CN; ++c) _mm512_storeu_ps(out + j * d + col + c * 16, acc[j][c]);
 }
 
-template <int JN>
-void weighted_values_cols(const float* p, int64_t len, const float* const* values, int64_t col, int64_t cn,
-                          int64_t d, float* out, int64_t prefetch_floats) {
+template <typename KV, int JN>
+void weighted_values_cols(const float* p, int64_t len, const KV* const* values, int64_t col, int64_t cn, int64_t d,
+                          float* out, int64_t prefetch) {
   switch (cn) {
-    case 1: weighted_values<JN, 1>(p, len, values, col, d, out, prefetch_floats); break;
-    case 2: weighted_values<JN, 2>(p, len, values, col, d, out, prefetch_floats); break;
-    case 3: weighted_values<JN, 3>(p, len, values, col, d, out, prefetch_floats); break;
-    default: weighted_values<JN, 4>(p, len, values, col, d, out, prefetch_floats); break;
+    case 1: weighted_values<KV, JN, 1>(p, len, values, col, d, out, prefetch); break;
+    case 2: weighted_values<KV, JN, 2>(p, len, values, col, d, out, prefetch); break;
+    case 3: weighted_values<KV, JN, 3>(p, len, values, col, d, out, prefetch); break;
+    default: weighted_values<KV, JN, 4>(p, len, values, col, d, out, prefetch); break;
   }
 }
 
 // out[kvh * g + j] = sum_t p[(kvh * g + j) * len + t] * value_{t,kvh} for the KV heads [kv0, kv1). The first
 // walk asks for whole rows ahead, so the later heads' walks find them in cache.
-void decode_values(const float* p, int64_t kv0, int64_t kv1, int64_t g, int64_t d, const float* const* rows,
-                   int64_t len, float* out, std::vector<const float*>& shifted) {
+template <typename KV>
+void decode_values(const float* p, int64_t kv0, int64_t kv1, int64_t g, int64_t d, const KV* const* rows,
+                   int64_t len, float* out, std::vector<const KV*>& shifted) {
   shifted.resize(static_cast<size_t>(len));
   bool first = true;
   for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
@@ -149,14 +171,44 @@ void decode_values(const float* p, int64_t kv0, int64_t kv1, int64_t g, int64_t 
         const float* pj = p + (kvh * g + j0) * len;
         float* oj = out + (kvh * g + j0) * d;
         switch (jn) {
-          case 1: weighted_values_cols<1>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
-          case 2: weighted_values_cols<2>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
-          case 3: weighted_values_cols<3>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
-          default: weighted_values_cols<4>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
+          case 1: weighted_values_cols<KV, 1>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
+          case 2: weighted_values_cols<KV, 2>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
+          case 3: weighted_values_cols<KV, 3>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
+          default: weighted_values_cols<KV, 4>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
         }
       }
     }
   }
+}
+
+template <typename KV>
+void paged_decode_avx512(const float* q, int64_t b, int64_t h, int64_t d, const KV* k_cache, const KV* v_cache,
+                         int64_t block_size, int64_t hkv, const int64_t* tables, int64_t max_blocks,
+                         const int64_t* lens, float scale, float* out) {
+  const int64_t g = h / hkv, token_stride = hkv * d, block_stride = block_size * hkv * d;
+  // A job is a whole sequence (its rows are read once, in order) unless that leaves a thread idle.
+  const int64_t split = b >= 2 * at::get_num_threads() ? 1 : hkv;
+  at::parallel_for(0, b * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const KV*> krows, vrows, shifted;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t seq = job / split, len = lens[seq];
+      const int64_t kv0 = split == 1 ? 0 : job % split, kv1 = split == 1 ? hkv : kv0 + 1;
+      const int64_t* table = tables + seq * max_blocks;
+      krows.resize(static_cast<size_t>(len));
+      vrows.resize(static_cast<size_t>(len));
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t at = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        krows[t] = k_cache + at;
+        vrows[t] = v_cache + at;
+      }
+      scores.resize(static_cast<size_t>(h * len));
+      const float* qs = q + seq * h * d;
+      decode_scores(qs, kv0, kv1, g, d, krows.data(), len, scale, scores.data());
+      for (int64_t j = kv0 * g; j < kv1 * g; ++j) softmax(scores.data() + j * len, len);
+      decode_values(scores.data(), kv0, kv1, g, d, vrows.data(), len, out + seq * h * d, shifted);
+    }
+  });
 }
 #endif
 
@@ -168,29 +220,7 @@ void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* 
   const int64_t g = h / hkv, token_stride = hkv * d, block_stride = block_size * hkv * d;
 #ifdef __AVX512F__
   if (d % 16 == 0) {
-    // A job is a whole sequence (its rows are read once, in order) unless that leaves a thread idle.
-    const int64_t split = b >= 2 * at::get_num_threads() ? 1 : hkv;
-    at::parallel_for(0, b * split, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      std::vector<const float*> krows, vrows, shifted;
-      for (int64_t job = begin; job < end; ++job) {
-        const int64_t seq = job / split, len = lens[seq];
-        const int64_t kv0 = split == 1 ? 0 : job % split, kv1 = split == 1 ? hkv : kv0 + 1;
-        const int64_t* table = tables + seq * max_blocks;
-        krows.resize(static_cast<size_t>(len));
-        vrows.resize(static_cast<size_t>(len));
-        for (int64_t t = 0; t < len; ++t) {
-          const int64_t at = table[t / block_size] * block_stride + (t % block_size) * token_stride;
-          krows[t] = k_cache + at;
-          vrows[t] = v_cache + at;
-        }
-        scores.resize(static_cast<size_t>(h * len));
-        const float* qs = q + seq * h * d;
-        decode_scores(qs, kv0, kv1, g, d, krows.data(), len, scale, scores.data());
-        for (int64_t j = kv0 * g; j < kv1 * g; ++j) softmax(scores.data() + j * len, len);
-        decode_values(scores.data(), kv0, kv1, g, d, vrows.data(), len, out + seq * h * d, shifted);
-      }
-    });
+    paged_decode_avx512(q, b, h, d, k_cache, v_cache, block_size, hkv, tables, max_blocks, lens, scale, out);
     return;
   }
 #endif
@@ -215,15 +245,25 @@ void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* 
   });
 }
 
+#ifdef __AVX512F__
+void paged_decode_bf16(const float* q, int64_t b, int64_t h, int64_t d, const uint16_t* k_cache,
+                       const uint16_t* v_cache, int64_t block_size, int64_t hkv, const int64_t* tables,
+                       int64_t max_blocks, const int64_t* lens, float scale, float* out) {
+  TORCH_CHECK(d % 16 == 0, "a bf16 cache needs head_dim % 16 == 0");
+  paged_decode_avx512(q, b, h, d, k_cache, v_cache, block_size, hkv, tables, max_blocks, lens, scale, out);
+}
+#endif
+
 namespace {
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous fp32 [B, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.is_contiguous(),
-              "k/v_cache: contiguous fp32 [num_blocks, block_size, Hkv, D]");
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(k_cache.dim() == 4 && (k_cache.scalar_type() == torch::kFloat32 || (bf16 && kBf16Cache)) &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && v_cache.is_contiguous(),
+              "k/v_cache: contiguous [num_blocks, block_size, Hkv, D], fp32 (or bf16 on an AVX-512 CPU)");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(),
               "block_tables: contiguous int64 [B, max_blocks]");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == torch::kInt64 && context_lens.is_contiguous(),
@@ -242,6 +282,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       TORCH_CHECK(tables[i * max_blocks + j] >= 0 && tables[i * max_blocks + j] < num_blocks, "block id out of the pool");
   }
   auto out = torch::empty_like(q);
+#ifdef __AVX512F__
+  if (bf16) {
+    paged_decode_bf16(q.data_ptr<float>(), b, h, d, reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+                      reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), bs, hkv, tables, max_blocks, lens,
+                      static_cast<float>(scale), out.data_ptr<float>());
+    return out;
+  }
+#endif
   paged_decode(q.data_ptr<float>(), b, h, d, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), num_blocks, bs,
                hkv, tables, max_blocks, lens, static_cast<float>(scale), out.data_ptr<float>());
   return out;
@@ -252,5 +300,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 void register_paged_attention(pybind11::module& m) {
   m.def("paged_decode_attention", &sluice::paged_decode_attention,
-        "q [B, H, D] over the paged fp32 KV cache -> [B, H, D]");
+        "q [B, H, D] over the paged fp32 (or bf16) KV cache -> [B, H, D]");
+  m.attr("BF16_KV_CACHE") = sluice::kBf16Cache;
 }

@@ -4,8 +4,10 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace sluice {
 
@@ -74,5 +76,26 @@ void quant_matmul(QuantFormat format, const float* x, int64_t m, int64_t k, cons
 void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* k_cache, const float* v_cache,
                   int64_t num_blocks, int64_t block_size, int64_t hkv, const int64_t* tables, int64_t max_blocks,
                   const int64_t* lens, float scale, float* out);
+
+#ifdef __AVX512F__
+// The same over a bf16 cache (uint16 bits of each element); head_dim a multiple of 16.
+void paged_decode_bf16(const float* q, int64_t b, int64_t h, int64_t d, const uint16_t* k_cache,
+                       const uint16_t* v_cache, int64_t block_size, int64_t hkv, const int64_t* tables,
+                       int64_t max_blocks, const int64_t* lens, float scale, float* out);
+#endif
+
+// fp32 -> bf16 bits, rounded to nearest even as PyTorch's .to(torch.bfloat16) rounds.
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (std::isnan(f)) return 0x7FC0;
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline void store_row(float* dst, const float* src, int64_t n) { std::copy(src, src + n, dst); }
+inline void store_row(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
 
 }  // namespace sluice

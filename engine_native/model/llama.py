@@ -61,6 +61,20 @@ def can_pack(dtype: torch.dtype) -> bool:
     )
 
 
+def kernels_take_bf16_cache() -> bool:
+    """Whether this host's C++ kernels read and write a bf16 KV cache (built with AVX-512)."""
+    kernels = cpu_kernels()
+    return kernels is not None and bool(getattr(kernels, "BF16_KV_CACHE", False))
+
+
+def cache_in_kernels(cache: torch.Tensor) -> bool:
+    """Whether the C++ kernels take this layer's cache: fp32 anywhere they run, bf16 where built with
+    AVX-512 (and a head_dim that is a multiple of 16)."""
+    if cache.dtype == torch.float32:
+        return kernels_available()
+    return cache.dtype == torch.bfloat16 and cache.shape[-1] % 16 == 0 and kernels_take_bf16_cache()
+
+
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return out
@@ -153,7 +167,7 @@ class DecoderLayer(nn.Module):
         """x: the float32 residual stream [T, hidden]."""
         cfg = self.config
         t = x.shape[0]
-        kernels = cpu_kernels() if k_cache.dtype == torch.float32 else None
+        kernels = cpu_kernels() if cache_in_kernels(k_cache) else None
         if kernels is not None:  # the row-wise steps as one C++ pass each (kernels/elementwise.cpp)
             h = kernels.rms_norm(x, self.input_norm, cfg.rms_norm_eps)
             qkv = self._linear(h, "qkv_weight", self.qkv_bias)
@@ -277,8 +291,8 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def use_decode_kernel(self, kv_cache: KVCache) -> bool:
-        """Whether decodes attend through Sluice's C++ kernel: it reads an fp32 cache."""
-        return kv_cache.k[0].dtype == torch.float32 and kernels_available()
+        """Whether decodes attend through Sluice's C++ kernel (an fp32 cache, or a bf16 one on AVX-512)."""
+        return cache_in_kernels(kv_cache.k[0])
 
     def _check_shapes(self) -> None:
         cfg = self.config

@@ -51,6 +51,11 @@ def test_rope_and_cache_writes_match_pytorch(kernels) -> None:  # type: ignore[n
     torch.testing.assert_close(q, ref_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(caches[0], caches[2], rtol=1e-6, atol=1e-6)
     assert torch.equal(caches[1], caches[3])  # V is copied, not computed
+    # A bf16 cache holds what PyTorch's rounding (to nearest even) makes of the same rows.
+    half = [torch.zeros(4, 16, kv_heads, d, dtype=torch.bfloat16) for _ in range(4)]
+    kernels.rope_write_kv(qkv, cos.view(t, -1), sin.view(t, -1), half[0], half[1], slots, heads, kv_heads)
+    write_kv(half[2], half[3], caches[0].view(-1, kv_heads, d)[slots], rv.view(t, kv_heads, d), slots)
+    assert torch.equal(half[0], half[2]) and torch.equal(half[1], half[3])
     with pytest.raises(RuntimeError, match="slot beyond the KV pool"):
         kernels.rope_write_kv(qkv, cos.view(t, -1), sin.view(t, -1), caches[0], caches[1], slots + 64, heads,
                               kv_heads)

@@ -45,6 +45,27 @@ def test_kernel_matches_softmax_attention(heads: int, kv_heads: int, head_dim: i
     torch.testing.assert_close(ours.double(), reference(q, k_cache, v_cache, tables, lens), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.skipif(not getattr(cpu_kernels(), "BF16_KV_CACHE", False), reason="a bf16 cache needs the AVX-512 build")
+@pytest.mark.parametrize("lens", [[1, 7, 16, 17, 100, 203], [203]], ids=["batch", "alone"])
+def test_a_bf16_cache_is_read_exactly(lens: list[int]) -> None:
+    """The kernel widens bf16 K/V to fp32 exactly: its answer over a bf16 cache is the softmax
+    attention over the same values in fp32."""
+    kernels = cpu_kernels()
+    assert kernels is not None
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, num_blocks, bs = 9, 3, 64, 40, 16
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    q = torch.randn(len(lens), heads, head_dim, generator=g) * 3
+    ours = kernels.paged_decode_attention(q, k_cache, v_cache, padded, torch.tensor(lens), head_dim**-0.5)
+    expected = reference(q, k_cache.float(), v_cache.float(), tables, lens)
+    torch.testing.assert_close(ours.double(), expected, atol=2e-5, rtol=1e-4)
+
+
 def test_bad_tables_are_errors_not_crashes() -> None:
     kernels = cpu_kernels()
     assert kernels is not None
