@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_native.kernels import cpu_kernels
 from engine_native.sampling_params import SamplingParams
 
 
@@ -116,6 +117,14 @@ class Sampler:
             tokens[greedy_index] = logits[greedy_index].argmax(dim=-1)
         if random:
             random_rows = [rows[i] for i in random]
+            kernels = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+            if kernels is not None and not any(_truncates(r.params) for r in random_rows):
+                # One C++ pass per row instead of divide, softmax, cumsum and search over the vocabulary.
+                sub = logits if len(random) == len(rows) else logits[_index(random, device)]
+                inverse = torch.tensor([1.0 / r.params.temperature for r in random_rows], dtype=torch.float32)
+                tokens[_index(random, device)] = kernels.sample_rows(
+                    sub.contiguous(), inverse, _uniforms(random_rows, device).view(-1))
+                return tokens
             temperatures = torch.tensor([r.params.temperature for r in random_rows], device=device)
             # Division is out of place, so from here on `scaled` is ours to edit in place.
             if len(random) == len(rows):
@@ -262,10 +271,13 @@ def apply_min_p(scaled: torch.Tensor, rows: list[SamplingInput]) -> None:
         scaled[write_back] = sub
 
 
-def _draw(probs: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
-    """One token per row by inverse CDF: the first token whose cumulative probability
-    exceeds u * total, u ~ U[0, 1). Seeded rows draw u from their own generator."""
-    device = probs.device
+def _truncates(params: SamplingParams) -> bool:
+    """Whether a row cuts its distribution (top-k, top-p or min-p) before the draw."""
+    return _top_k_enabled(params) or params.top_p < 1.0 or params.min_p > 0.0
+
+
+def _uniforms(rows: list[SamplingInput], device: torch.device) -> torch.Tensor:
+    """u ~ U[0, 1) per row, [R, 1]; seeded rows draw theirs from their own generator."""
     uniforms = torch.empty(len(rows), 1, device=device)
     unseeded = [j for j, r in enumerate(rows) if r.generator is None]
     if unseeded:
@@ -273,6 +285,13 @@ def _draw(probs: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
     for j, row in enumerate(rows):
         if row.generator is not None:
             uniforms[j] = torch.rand(1, generator=row.generator, device=device)
+    return uniforms
+
+
+def _draw(probs: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
+    """One token per row by inverse CDF: the first token whose cumulative probability
+    exceeds u * total, u ~ U[0, 1). Seeded rows draw u from their own generator."""
+    uniforms = _uniforms(rows, probs.device)
     cdf = probs.cumsum(dim=-1)
     tokens = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
     # Rounding can land u * total on the very end of the CDF, past the last token that

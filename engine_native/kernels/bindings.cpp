@@ -5,10 +5,12 @@ void register_quant_linear(pybind11::module& m);
 void register_paged_attention(pybind11::module& m);
 void register_fused_decode(pybind11::module& m);
 void register_elementwise(pybind11::module& m);
+void register_sample(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant_linear(m);
   register_paged_attention(m);
   register_fused_decode(m);
   register_elementwise(m);
+  register_sample(m);
 }

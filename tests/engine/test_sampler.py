@@ -329,3 +329,24 @@ def test_make_generator() -> None:
 def test_shape_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError, match="does not match"):
         Sampler()(torch.zeros(2, 4), [_row(SamplingParams())])
+
+
+def test_the_fused_draw_picks_what_the_inverse_cdf_picks() -> None:
+    """kernels/sample.cpp draws a row's token in one pass; at the same uniform it picks the token
+    PyTorch's softmax, cumsum and search pick (up to float rounding at a boundary)."""
+    from engine_native.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    assert kernels is not None
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(400, 4096, generator=g) * 3
+    logits[:, 7] = float("-inf")  # a masked token is never drawn
+    inverse = torch.rand(400, generator=g) * 2 + 0.25
+    uniforms = torch.rand(400, generator=g)
+    ours = kernels.sample_rows(logits, inverse, uniforms)
+    probs = torch.softmax(logits * inverse[:, None], dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    theirs = torch.searchsorted(cdf, (uniforms[:, None] * cdf[:, -1:]), right=True).squeeze(1)
+    assert (ours == theirs).float().mean() >= 0.99
+    assert not (ours == 7).any()
+    assert torch.equal(kernels.sample_rows(logits, inverse, torch.zeros(400)), (probs > 0).float().argmax(-1))
