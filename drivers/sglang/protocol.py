@@ -160,8 +160,8 @@ class StreamDelta:
         if finish is None:
             end = len(self.full_text) - self._held()
         else:
-            if finish.type == "stop" and isinstance(finish.matched, str) and self.full_text.endswith(finish.matched):
-                self.full_text = self.full_text[: -len(finish.matched)]
+            if finish.type == "stop" and isinstance(finish.matched, str) and finish.matched:
+                self.full_text = _cut_stop(self.full_text, finish.matched, self.sent)
             end = len(self.full_text)
         piece = self.full_text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
@@ -195,6 +195,19 @@ class StreamDelta:
                               for lp, _, t in (top or [])],
             ))
         return out
+
+
+def _cut_stop(text: str, stop: str, sent: int) -> str:
+    """The text without the matched stop string. A server may or may not have trimmed it already, and
+    in incremental mode the final delta may carry only part of it: cut the whole stop string if it is
+    there (after what was sent), else the held tail that is its beginning."""
+    at = text.find(stop, max(0, sent - len(stop) + 1))
+    if at >= 0:
+        return text[:at]
+    for k in range(min(len(stop) - 1, len(text) - sent), 0, -1):
+        if text.endswith(stop[:k]):
+            return text[:-k]
+    return text
 
 
 def _finite(logprob: float | None) -> float:
