@@ -132,7 +132,7 @@ class SGLangDriver(Driver):
         timeout = self.config.down_after_s
         while True:
             try:
-                if node.model is None:
+                if node.model is None or node.stale:
                     await self._read_facts(node, timeout)
                 healthy = await self.client.healthy(node.address, timeout)
                 if healthy:
@@ -146,7 +146,7 @@ class SGLangDriver(Driver):
             except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:  # the server's state, not ours
                 if node.up:
                     log.warning("sglang server down: %s", exc, extra={"node": node.id})
-                node.up, node.detail, node.model = False, f"{type(exc).__name__}: {exc}", None
+                node.up, node.detail, node.stale = False, f"{type(exc).__name__}: {exc}", True
             await asyncio.sleep(self.config.poll_s)
 
     async def _read_facts(self, node: ServerNode, timeout: float) -> None:
@@ -158,14 +158,17 @@ class SGLangDriver(Driver):
         node.incremental = bool(server.get("incremental_streaming_output") or server.get("stream_output"))
         node.max_model_len = int(card.get("max_model_len") or server.get("context_length") or 0)
         node.extra = {k: server[k] for k in ("version", "page_size", "max_total_num_tokens") if k in server}
-        node.model = str(card["id"])
+        node.model, node.stale = str(card["id"]), False
 
     # ----- the seam --------------------------------------------------------------------
 
     def models(self) -> list[ModelCard]:
+        """Every model a server was seen serving, up or not now: a request for it while its servers
+        are down is a 503 (retry), not a 404."""
         cards: dict[str, ModelCard] = {}
-        for node in self._up():
-            assert node.model is not None
+        for node in self.servers:
+            if node.model is None:
+                continue
             known = cards.get(node.model)
             if known is None or node.max_model_len < known.max_model_len:
                 cards[node.model] = ModelCard(id=node.model, max_model_len=node.max_model_len, owned_by="sglang")
@@ -201,6 +204,8 @@ class SGLangDriver(Driver):
             if not self._up():
                 raise OverloadedError("no SGLang server is up", retry_after=1.0)
             raise ModelNotFoundError(model)
+        if not any(n.model == model for n in self._up()):
+            raise OverloadedError(f"no SGLang server serving {model} is up", retry_after=1.0)
         return card
 
     def _pick(self, model: str, prompt: list[int], tried: list[str], any_server: bool = False) -> ServerNode:

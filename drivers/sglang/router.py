@@ -36,6 +36,7 @@ class ServerNode:
     id: str  # host:port: the same name in every gateway replica
     address: str
     model: str | None = None  # served model name (/v1/models); None: not read yet
+    stale: bool = False  # it was down since: read its facts again (it may have been replaced)
     max_model_len: int = 0
     incremental: bool = False  # started with --incremental-streaming-output
     up: bool = False  # the last /health_generate answered 200
