@@ -50,7 +50,7 @@ class SGLangConfig:
     """Servers one request may be tried on (the first included) before it fails."""
     poll_s: float = 1.0
     """How often each server's /health_generate and /get_load are polled."""
-    down_after_s: float = 3.0
+    down_after_s: float = 5.0
     """A server whose polls have failed for this long is out of the routing view."""
 
     def __post_init__(self) -> None:
