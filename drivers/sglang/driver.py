@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -281,7 +281,7 @@ class SGLangDriver(Driver):
 
     async def _attempt(
         self, request: GenerationRequest, node: ServerNode, rid: str, prompt: list[int], sent: list[int], budget: int,
-    ) -> AsyncIterator[GenerationChunk]:
+    ) -> AsyncGenerator[GenerationChunk, None]:
         """One server's stream of the request; extends `sent` with every token handed out."""
         body = protocol.generate_body(request, rid, prompt + sent, budget - len(sent))
         delta = protocol.StreamDelta(node.incremental, request.stop, request.logprobs)

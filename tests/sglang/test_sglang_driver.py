@@ -40,7 +40,12 @@ def run(servers: list[StandInProcess], body: Callable[[SGLangDriver], Awaitable[
     async def main() -> T:
         driver = SGLangDriver(config(servers, **routing))
         await driver.start()
+
+        async def all_up() -> bool:  # start() waits for one server; a busy machine may lag on the others
+            health = await driver.health()
+            return health.ready and not health.degraded
         try:
+            await await_until(all_up, "every stand-in polled up")
             return await body(driver)
         finally:
             await driver.stop()
