@@ -27,13 +27,13 @@ from urllib.parse import urlsplit
 
 import httpx
 import jinja2
+import msgspec
 
 from drivers.base import (
     Driver,
     DriverError,
     DriverHealth,
     EngineDeadError,
-    FinishReason,
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
@@ -296,9 +296,14 @@ class SGLangDriver(Driver):
                 async for out in outputs:
                     d = delta.feed(out)
                     now = time.time()
-                    if d.finish is not None and d.finish.type == "abort" and not d.token_ids:
+                    aborted = d.finish if d.finish is not None and d.finish.type == "abort" else None
+                    if aborted is not None:
+                        # We never abort a stream we still read, so the server ended it (queue full, bad
+                        # input, shutting down): a refusal before any token, else resume elsewhere.
                         finished = True
-                        raise _abort_refusal(d.finish, node)
+                        d = msgspec.structs.replace(d, finish=None)
+                        if not d.token_ids:
+                            raise _abort_refusal(aborted, node, sent_any=bool(sent))
                     if d.token_ids:
                         if first_token is None:
                             first_token = now
@@ -321,11 +326,10 @@ class SGLangDriver(Driver):
                         finish_time=now if final else None,
                         cached_tokens=min(d.cached_tokens, len(prompt)) if final else None,
                     )
+                    if aborted is not None:
+                        raise _abort_refusal(aborted, node, sent_any=True)
                     if final:
                         finished = True
-                        if reason is FinishReason.ABORT:
-                            log.warning("SGLang aborted the request: %s", d.finish.message if d.finish else "",
-                                        extra={"request_id": request.request_id, "node": node.id})
                         return
         finally:
             self.router.in_flight[node.id] -= 1
@@ -385,14 +389,15 @@ class SGLangDriver(Driver):
                 log.warning("node %s", event.kind, extra={"node": event.node, "reason": event.reason})
 
 
-def _abort_refusal(finish: protocol.FinishInfo, node: ServerNode) -> Exception:
-    """SGLang ended the request before any token: why, as a refusal or a lost server."""
+def _abort_refusal(finish: protocol.FinishInfo, node: ServerNode, sent_any: bool) -> Exception:
+    """SGLang ended the request itself: a refusal (bad input; a full queue before any token) or a
+    lost server (anything else: the request resumes on another one)."""
     message = finish.message or "aborted by the server"
     if finish.status_code in (400, 413, 422):
         return WorkerRefused(ErrorKind.INVALID, message)
-    if finish.status_code in (429, 503):
+    if finish.status_code in (429, 503) and not sent_any:
         return WorkerRefused(ErrorKind.OVERLOADED, message)
-    return WorkerLost(f"{node.id}: {message}")
+    return WorkerLost(f"{node.id}: aborted by the server: {message}")
 
 
 def driver_error(exc: WorkerRefused, model: str) -> DriverError:

@@ -217,3 +217,19 @@ def test_kv_events_route_precisely_and_a_fresh_gateway_replays_them() -> None:
         run(servers, fresh, min_match_tokens=16)
 
 
+
+
+def test_a_server_side_abort_mid_stream_resumes_elsewhere() -> None:
+    with standins(2, "--token-delay-ms", "25") as servers:
+        async def body(driver: SGLangDriver) -> None:
+            req = request(PROMPT, 30)
+            stream = driver.generate(req)
+            chunks = [await anext(stream) for _ in range(4)]
+            home = next(s for s in servers if s.id == chunks[0].node_id)
+            async with httpx.AsyncClient() as http:  # e.g. an operator's abort, or the server shutting down
+                await http.post(home.url + "/abort_request", json={"rid": req.request_id})
+            chunks += [c async for c in stream]
+            ids = [t for c in chunks for t in c.token_ids]
+            assert ids == expected_ids(PROMPT, 30)
+            assert chunks[-1].finish_reason is FinishReason.LENGTH and chunks[-1].node_id != home.id
+        run(servers, body)
