@@ -128,6 +128,8 @@ class Settings:
     """SGLang driver: the servers' --api-key (SLUICE_SGLANG_API_KEY); never logged."""
     sglang_chat_template: str | None = None
     """SGLang driver: Jinja chat template file; None: ChatML (SLUICE_SGLANG_CHAT_TEMPLATE)."""
+    sglang_snapshot: str | None = None
+    """SGLang driver: file of the approximate routing trees, saved and reloaded (SLUICE_SGLANG_SNAPSHOT)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -198,6 +200,7 @@ class Settings:
             sglang_kv_replay=_csv(e.get("SLUICE_SGLANG_KV_REPLAY", "")),
             sglang_api_key=e.get("SLUICE_SGLANG_API_KEY") or d.sglang_api_key,
             sglang_chat_template=e.get("SLUICE_SGLANG_CHAT_TEMPLATE") or d.sglang_chat_template,
+            sglang_snapshot=e.get("SLUICE_SGLANG_SNAPSHOT") or d.sglang_snapshot,
         )
 
     def __post_init__(self) -> None:

@@ -23,6 +23,8 @@ def add_sglang_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
                    help="the servers' KV event endpoints, one per server in order (SLUICE_SGLANG_KV_EVENTS)")
     g.add_argument("--sglang-kv-replay", default=",".join(env.sglang_kv_replay), metavar="ZMQ,...",
                    help="their replay endpoints, same order (SLUICE_SGLANG_KV_REPLAY)")
+    g.add_argument("--sglang-snapshot", default=env.sglang_snapshot, metavar="PATH",
+                   help="file the approximate routing trees are saved to and loaded from (SLUICE_SGLANG_SNAPSHOT)")
     g.add_argument("--sglang-balance-abs", type=int, default=r.balance_abs,
                    help="load-imbalance guard: requests between busiest and idlest before cache is ignored")
     g.add_argument("--sglang-balance-rel", type=float, default=r.balance_rel,
@@ -42,7 +44,7 @@ def sglang_config(args: argparse.Namespace, env: Settings, node_health: NodeHeal
         return SGLangConfig(
             servers=csv(args.sglang_servers), kv_events=csv(args.sglang_kv_events),
             kv_replay=csv(args.sglang_kv_replay), api_key=env.sglang_api_key,
-            chat_template=env.sglang_chat_template,
+            chat_template=env.sglang_chat_template, snapshot_path=args.sglang_snapshot or None,
             routing=CacheRoutingConfig(balance_abs=args.sglang_balance_abs, balance_rel=args.sglang_balance_rel,
                                        min_match_tokens=args.sglang_min_match),
             node_health=node_health, max_attempts=args.sglang_max_attempts,

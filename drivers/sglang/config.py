@@ -40,6 +40,12 @@ class SGLangConfig:
     chat_template: str | None = None
     """Jinja chat template file to render chat messages with (SGLang's /tokenize takes text only);
     None: ChatML (SLUICE_SGLANG_CHAT_TEMPLATE)."""
+    snapshot_path: str | None = None
+    """File the approximate trees are saved to (every `snapshot_s` and at stop) and loaded from at
+    start, so a restarted gateway is not cache-blind without KV events (--sglang-snapshot,
+    SLUICE_SGLANG_SNAPSHOT); None: none."""
+    snapshot_s: float = 30.0
+    """How often the snapshot is written."""
     routing: CacheRoutingConfig = field(default_factory=CacheRoutingConfig)
     timeouts: FleetTimeouts = field(default_factory=FleetTimeouts)
     """connect_s, first_token_s and inter_token_s apply; stall_s does not (SGLang sends no keepalives

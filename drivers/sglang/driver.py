@@ -102,7 +102,10 @@ class SGLangDriver(Driver):
             self._tasks.append(asyncio.create_task(self._poll(node), name=f"sluice-sglang-poll-{node.id}"))
         for subscriber in self.router.events.values():
             subscriber.start()
+        self._load_snapshot()
         self._tasks.append(asyncio.create_task(self._watch_health(), name="sluice-sglang-health"))
+        if self.config.snapshot_path:
+            self._tasks.append(asyncio.create_task(self._snapshots(), name="sluice-sglang-snapshot"))
         self._started = True
         deadline = time.monotonic() + JOIN_WAIT_S
         while not self._up() and time.monotonic() < deadline:
@@ -120,7 +123,43 @@ class SGLangDriver(Driver):
                 await task
         for subscriber in self.router.events.values():
             await subscriber.stop()
+        self._save_snapshot()
         await self.client.aclose()
+
+    # ----- the approximate trees' snapshot ----------------------------------------------
+
+    def _save_snapshot(self) -> None:
+        path = self.config.snapshot_path
+        if not path:
+            return
+        trees = {sid: tree.paths() for sid, tree in self.router.trees.items()}
+        tmp = Path(path + ".tmp")
+        try:
+            tmp.write_bytes(msgspec.msgpack.encode({"page_size": self.config.routing.page_size, "trees": trees}))
+            tmp.replace(path)  # atomic: a reader never sees half a file
+        except OSError as exc:
+            log.warning("cannot save the routing snapshot %s: %s", path, exc)
+
+    def _load_snapshot(self) -> None:
+        path = self.config.snapshot_path
+        if not path or not Path(path).exists():
+            return
+        try:
+            data = msgspec.msgpack.decode(Path(path).read_bytes())
+            if data.get("page_size") != self.config.routing.page_size:
+                return  # pages of another size would match nothing
+            known = {n.id for n in self.servers}
+            for sid, paths in data["trees"].items():
+                if sid in known:
+                    for tokens in paths:
+                        self.router.tree(sid).insert(tokens)
+        except (OSError, msgspec.DecodeError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("cannot load the routing snapshot %s: %s", path, exc)
+
+    async def _snapshots(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.snapshot_s)
+            self._save_snapshot()
 
     def _up(self) -> list[ServerNode]:
         now = time.monotonic()

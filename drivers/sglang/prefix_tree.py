@@ -69,6 +69,21 @@ class PrefixTree:
             assert oldest.parent is not None and not oldest.children
             del oldest.parent.children[oldest.key]
 
+    def paths(self) -> list[list[int]]:
+        """Every root-to-leaf path, least recently used first: inserting them in this order rebuilds
+        the tree with the same recency (the snapshot a fresh gateway replica starts from)."""
+        out = []
+        for node in self._lru:
+            if node.children:
+                continue
+            pages = []
+            walk: _Node | None = node
+            while walk is not None and walk.parent is not None:
+                pages.append(walk.key)
+                walk = walk.parent
+            out.append([t for page in reversed(pages) for t in page])
+        return out
+
     def clear(self) -> None:
         self.root.children.clear()
         self._lru.clear()

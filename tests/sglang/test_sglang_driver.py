@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 import httpx
@@ -233,3 +235,27 @@ def test_a_server_side_abort_mid_stream_resumes_elsewhere() -> None:
             assert ids == expected_ids(PROMPT, 30)
             assert chunks[-1].finish_reason is FinishReason.LENGTH and chunks[-1].node_id != home.id
         run(servers, body)
+
+
+def test_a_restarted_gateway_reloads_its_approximate_trees(tmp_path: Path) -> None:
+    snapshot = str(tmp_path / "trees.msgpack")
+    with standins(2) as servers:
+        def with_snapshot(body: Callable[[SGLangDriver], Awaitable[T]]) -> T:
+            async def main() -> T:
+                driver = SGLangDriver(dataclasses.replace(config(servers), snapshot_path=snapshot))
+                await driver.start()
+                try:
+                    return await body(driver)
+                finally:
+                    await driver.stop()
+            return asyncio.run(main())
+
+        async def first(driver: SGLangDriver) -> str:
+            chunks = await collect(driver, request(PROMPT, 2))
+            return str(chunks[-1].node_id)
+
+        home = with_snapshot(first)
+
+        async def restarted(driver: SGLangDriver) -> None:
+            assert driver.router.cached(home, PROMPT) == 48  # three 16-token pages, from the snapshot
+        with_snapshot(restarted)

@@ -28,6 +28,11 @@ def test_prefix_tree_matches_whole_pages_and_evicts_least_recent_leaves() -> Non
     assert tree.pages == 6
     assert tree.match(system) == 8  # the shared pages outlive the leaves that used them
     assert tree.match(system + [1, 2, 3, 4]) == 8  # the oldest leaf went first
+    copy = PrefixTree(page_size=4, max_pages=6)  # the snapshot: paths in LRU order rebuild the same tree
+    for path in tree.paths():
+        copy.insert(path)
+    copy.check_integrity()
+    assert copy.paths() == tree.paths()
 
 
 def _batch(*events: list[object]) -> bytes:
