@@ -44,6 +44,10 @@ def test_gateway_serves_sglang_with_usage_abort_and_errors() -> None:
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 64  # the shared system prompt, from SGLang's cache
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
 
+        nodes = httpx.get(base + "/admin/nodes", timeout=10).json()["nodes"]  # the servers as nodes, for operators
+        assert {n["id"] for n in nodes} == {s.id for s in servers}
+        assert all(n["state"] == "ready" and n["circuit"] == "closed" for n in nodes)
+
         # A client that goes away mid-stream: the server hears of it.
         with httpx.stream("POST", base + "/v1/completions", timeout=30, json={
             "model": "standin", "prompt": "write forever", "max_tokens": 200, "stream": True,
