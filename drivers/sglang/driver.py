@@ -22,10 +22,8 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 import jinja2
 import msgspec
 
@@ -49,10 +47,12 @@ from drivers.fleet.client import WorkerLost, WorkerRefused
 from drivers.fleet.wire import ErrorKind
 from drivers.options import EngineOptions
 from drivers.sglang import protocol
-from drivers.sglang.client import SGLangClient, parse_load
+from drivers.sglang.client import SGLangClient
 from drivers.sglang.config import SGLangConfig
 from drivers.sglang.kv_events import KVEventSubscriber
+from drivers.sglang.polling import poll_server
 from drivers.sglang.router import CacheAwareRouter, NoServerError, ServerNode
+from drivers.sglang.snapshot import load_trees, save_trees
 from observability.node_health import NodeHealthMonitor, NodeStatus
 
 log = logging.getLogger("sluice.sglang")
@@ -99,7 +99,8 @@ class SGLangDriver(Driver):
     async def start(self) -> None:
         for node in self.servers:
             self._breaker(node.id)
-            self._tasks.append(asyncio.create_task(self._poll(node), name=f"sluice-sglang-poll-{node.id}"))
+            poll = poll_server(self.client, node, self.config.poll_s, self.config.down_after_s)
+            self._tasks.append(asyncio.create_task(poll, name=f"sluice-sglang-poll-{node.id}"))
         for subscriber in self.router.events.values():
             subscriber.start()
         self._load_snapshot()
@@ -126,35 +127,17 @@ class SGLangDriver(Driver):
         self._save_snapshot()
         await self.client.aclose()
 
-    # ----- the approximate trees' snapshot ----------------------------------------------
-
     def _save_snapshot(self) -> None:
-        path = self.config.snapshot_path
-        if not path:
-            return
-        trees = {sid: tree.paths() for sid, tree in self.router.trees.items()}
-        tmp = Path(path + ".tmp")
-        try:
-            tmp.write_bytes(msgspec.msgpack.encode({"page_size": self.config.routing.page_size, "trees": trees}))
-            tmp.replace(path)  # atomic: a reader never sees half a file
-        except OSError as exc:
-            log.warning("cannot save the routing snapshot %s: %s", path, exc)
+        if self.config.snapshot_path:
+            save_trees(self.config.snapshot_path, self.router.trees, self.config.routing.page_size)
 
     def _load_snapshot(self) -> None:
-        path = self.config.snapshot_path
-        if not path or not Path(path).exists():
-            return
-        try:
-            data = msgspec.msgpack.decode(Path(path).read_bytes())
-            if data.get("page_size") != self.config.routing.page_size:
-                return  # pages of another size would match nothing
+        if self.config.snapshot_path:
             known = {n.id for n in self.servers}
-            for sid, paths in data["trees"].items():
+            for sid, paths in load_trees(self.config.snapshot_path, self.config.routing.page_size).items():
                 if sid in known:
                     for tokens in paths:
                         self.router.tree(sid).insert(tokens)
-        except (OSError, msgspec.DecodeError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("cannot load the routing snapshot %s: %s", path, exc)
 
     async def _snapshots(self) -> None:
         while True:
@@ -164,40 +147,6 @@ class SGLangDriver(Driver):
     def _up(self) -> list[ServerNode]:
         now = time.monotonic()
         return [n for n in self.servers if n.up and n.model and now - n.last_ok <= self.config.down_after_s]
-
-    async def _poll(self, node: ServerNode) -> None:
-        """Model facts once (and again after the server was down: it may have been replaced), then
-        /health_generate and /get_load every `poll_s`."""
-        timeout = self.config.down_after_s
-        while True:
-            try:
-                if node.model is None or node.stale:
-                    await self._read_facts(node, timeout)
-                healthy = await self.client.healthy(node.address, timeout)
-                if healthy:
-                    running, waiting = parse_load(await self.client.get_json(node.address, protocol.LOAD_PATH, timeout))
-                    node.running, node.waiting = running, waiting
-                    if not node.up and node.last_ok:
-                        node.restarts += 1
-                    node.up, node.last_ok, node.detail = True, time.monotonic(), ""
-                else:
-                    node.up, node.detail = False, "/health_generate is not 200"
-            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:  # the server's state, not ours
-                if node.up:
-                    log.warning("sglang server down: %s", exc, extra={"node": node.id})
-                node.up, node.detail, node.stale = False, f"{type(exc).__name__}: {exc}", True
-            await asyncio.sleep(self.config.poll_s)
-
-    async def _read_facts(self, node: ServerNode, timeout: float) -> None:
-        models = await self.client.get_json(node.address, protocol.MODELS_PATH, timeout)
-        card = models["data"][0]
-        server: dict[str, Any] = {}
-        with contextlib.suppress(Exception):  # older servers: the defaults below hold
-            server = await self.client.get_json(node.address, protocol.SERVER_INFO_PATH, timeout)
-        node.incremental = bool(server.get("incremental_streaming_output") or server.get("stream_output"))
-        node.max_model_len = int(card.get("max_model_len") or server.get("context_length") or 0)
-        node.extra = {k: server[k] for k in ("version", "page_size", "max_total_num_tokens") if k in server}
-        node.model, node.stale = str(card["id"]), False
 
     # ----- the seam --------------------------------------------------------------------
 
