@@ -27,6 +27,7 @@ from drivers.sglang.config import CacheRoutingConfig, SGLangConfig
 from drivers.sglang.driver import SGLangDriver
 from tests.polling import await_until
 
+pytestmark = pytest.mark.timeout(180)  # a hang fails this module's test, not the whole run
 T = TypeVar("T")
 PROMPT = [ord(c) for c in "You are a helpful assistant. Answer briefly, in one line. "]  # 58 tokens
 

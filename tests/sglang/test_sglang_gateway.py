@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 from standin_process import standins
 
 from benchmarks.server_process import ServerProcess
 from tests.polling import wait_until
 
+pytestmark = pytest.mark.timeout(180)  # a hang fails this module's test, not the whole run
 SYSTEM = "You are a terse assistant. Answer in one short line, no preamble. "
 
 
