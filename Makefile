@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sluice-setup
 
-.PHONY: setup browser serve test lint bench clean
+.PHONY: setup browser serve test test-sglang lint bench clean
 
 setup: $(STAMP)
 
@@ -36,3 +36,7 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Opt-in: the SGLang driver against a real SGLang server (docs/sglang.md says how to start one).
+test-sglang: setup
+	SLUICE_SGLANG_URL=$(SLUICE_SGLANG_URL) HF_HUB_OFFLINE=1 $(VENV)/bin/pytest tests/sglang/test_sglang_real.py -rs

@@ -104,6 +104,9 @@ class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
     token_time: float | None = None
     # Final chunk: when the engine preempted (and later recomputed) the request.
     preemption_times: list[float] = []
+    # Final chunk: prompt tokens the engine served from its prefix cache (usage's
+    # prompt_tokens_details.cached_tokens); None: the engine does not say (SGLang's does).
+    cached_tokens: int | None = None
 
 
 class ModelCard(msgspec.Struct, frozen=True):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from drivers.fleet.config import FleetConfig
+from drivers.sglang.config import SGLangConfig
 from drivers.supervisor import RestartPolicy
 from observability.node_health import NodeHealthConfig
 
@@ -68,6 +69,9 @@ class EngineOptions:
     fleet: FleetConfig | None = None
     """Fleet driver: where the workers are and how requests are routed among them (--workers,
     --fleet-* flags, SLUICE_FLEET_*; docs/fleet.md)."""
+    sglang: SGLangConfig | None = None
+    """SGLang driver: the SGLang servers and how requests are routed among them (--sglang-* flags,
+    SLUICE_SGLANG_*; docs/sglang.md)."""
 
 
 def overrides(**values: Any) -> dict[str, Any]:

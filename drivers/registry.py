@@ -23,6 +23,7 @@ _REGISTRY: dict[str, DriverFactory | str] = {
     # The native engine as a version host: the model it starts with, plus versions the registry loads.
     "native": "drivers.native_versions:versioned_native_driver",
     "fleet": "drivers.fleet.driver:FleetDriver.from_options",
+    "sglang": "drivers.sglang.driver:SGLangDriver.from_options",
 }
 
 

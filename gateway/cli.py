@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NoReturn
 from drivers.options import EngineOptions
 from gateway.models_cli import add_models_command
 from gateway.settings import Settings
+from gateway.sglang_cli import add_sglang_arguments, sglang_config
 
 if TYPE_CHECKING:
     from drivers.fleet.config import FleetConfig
@@ -46,7 +47,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     )
     p.add_argument("--host", default=env.host, help="interface to bind (SLUICE_HOST)")
     p.add_argument("--port", type=int, default=env.port, help="TCP port (SLUICE_PORT)")
-    p.add_argument("--driver", default=env.driver, help="engine driver: native, synthetic or fleet (SLUICE_DRIVER)")
+    p.add_argument("--driver", default=env.driver, help="engine driver: native, synthetic, fleet or sglang (SLUICE_DRIVER)")
     p.add_argument(
         "--no-load-shedding",
         dest="load_shedding",
@@ -82,6 +83,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
     p.add_argument("--log-level", default=env.log_level, help="DEBUG, INFO, WARNING, ... (SLUICE_LOG_LEVEL)")
     add_engine_arguments(p, env)
     _add_fleet_arguments(p, env)
+    add_sglang_arguments(p, env)
     p.set_defaults(func=_serve)
 
 
@@ -298,6 +300,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         synthetic_ttft_s=ttft_ms / 1000.0 if ttft_ms is not None else None,
         synthetic_start_delay_s=args.synthetic_start_delay,
         fleet=fleet_config(args, env or Settings(), health) if getattr(args, "driver", None) == "fleet" else None,
+        sglang=sglang_config(args, env or Settings(), health) if getattr(args, "driver", None) == "sglang" else None,
     )
 
 

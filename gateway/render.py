@@ -19,6 +19,7 @@ from gateway.schemas import (
     Delta,
     ErrorBody,
     ErrorDetail,
+    PromptTokensDetails,
     ResponseMessage,
     TokenLogprobOut,
     TopLogprobOut,
@@ -46,8 +47,11 @@ class ChoiceOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
+    cached_tokens: int | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
+        if chunk.cached_tokens is not None:
+            self.cached_tokens = chunk.cached_tokens
         self.text.append(chunk.text)
         self.logprobs.extend(chunk.logprobs or [])
         self.completion_tokens = chunk.completion_tokens
@@ -55,8 +59,15 @@ class ChoiceOutput:
             self.finish_reason = str(chunk.finish_reason)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
+    details = PromptTokensDetails(cached_tokens) if cached_tokens is not None else None
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
+
+
+def cached_of(outputs: list[ChoiceOutput]) -> int | None:
+    """The choices share one prompt: the most of it any engine served from cache, if one said."""
+    known = [o.cached_tokens for o in outputs if o.cached_tokens is not None]
+    return max(known) if known else None
 
 
 def _chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
@@ -101,7 +112,7 @@ def chat_completion(
     ]
     completion = sum(o.completion_tokens for o in outputs)
     return ChatCompletion(
-        id=rid, created=created, model=model, choices=choices, usage=usage(prompt_tokens, completion),
+        id=rid, created=created, model=model, choices=choices, usage=usage(prompt_tokens, completion, cached_of(outputs)),
         system_fingerprint=fingerprint,
     )
 
@@ -123,7 +134,7 @@ def text_completion(
         created=created,
         model=model,
         choices=choices,
-        usage=usage(prompt_tokens, completion),
+        usage=usage(prompt_tokens, completion, cached_of(outputs)),
         system_fingerprint=fingerprint,
     )
 
@@ -161,8 +172,8 @@ class ChatChunks:
         finish = str(chunk.finish_reason) if chunk.finish_reason is not None else None
         return self._chunk([ChatChunkChoice(index, delta, finish, lp)])
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        return self._chunk([], usage(prompt_tokens, completion_tokens))
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
+        return self._chunk([], usage(prompt_tokens, completion_tokens, cached_tokens))
 
 
 @dataclass
@@ -198,5 +209,5 @@ class CompletionChunks:
         finish = str(chunk.finish_reason) if chunk.finish_reason is not None else None
         return self._chunk([CompletionChoice(index, chunk.text, finish, lp)])
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
-        return self._chunk([], usage(prompt_tokens, completion_tokens))
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> bytes:
+        return self._chunk([], usage(prompt_tokens, completion_tokens, cached_tokens))

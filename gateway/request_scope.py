@@ -122,6 +122,7 @@ class RequestScope:
         self.dispatch: Dispatch | None = None
         self.ticket: Ticket | None = None
         self.completion: list[int] = []  # completion tokens of each choice, as last reported
+        self.cached_tokens: int | None = None  # prompt tokens served from the engine's cache, if it says
         self._model = model or ""  # what the body asked for, until the plan resolves it
         self._counted: dict[str, str] | None = None  # x-ratelimit-*-requests once the request counted
         self._usage_recorded = False  # the gate wrote the refusal's usage record itself
@@ -252,6 +253,8 @@ class RequestScope:
         timeline = self._timeline
         async for i, chunk in self._fanout.chunks():
             self.completion[i] = chunk.completion_tokens
+            if chunk.cached_tokens is not None:
+                self.cached_tokens = max(self.cached_tokens or 0, chunk.cached_tokens)
             if timeline is not None:
                 timeline.add(i, chunk)
             yield i, chunk

@@ -125,10 +125,15 @@ class CompletionRequest(_SamplingFields, frozen=True, kw_only=True):
 # -- responses -----------------------------------------------------------------------------------
 
 
-class Usage(msgspec.Struct, frozen=True):
+class PromptTokensDetails(msgspec.Struct, frozen=True):
+    cached_tokens: int  # prompt tokens the engine served from its prefix cache
+
+
+class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # only when the engine reports a cache hit count
 
 
 class TopLogprobOut(msgspec.Struct, frozen=True):

@@ -167,7 +167,7 @@ async def _events(
             if data is not None:
                 yield data
         if include_usage:
-            yield renderer.usage(dispatch.prompt_tokens, sum(scope.completion))
+            yield renderer.usage(dispatch.prompt_tokens, sum(scope.completion), scope.cached_tokens)
         outcome = "ok"
         yield SSE_DONE
     except DriverError as exc:  # e.g. the engine died mid-stream: the status line is long gone

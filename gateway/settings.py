@@ -118,6 +118,18 @@ class Settings:
     """Shared secret between gateways and workers (SLUICE_FLEET_SECRET); None: none. Never logged."""
     fleet_ca: str | None = None
     """CA bundle that signs the workers' TLS certificates (SLUICE_FLEET_CA); None: the system's."""
+    sglang_servers: tuple[str, ...] = ()
+    """SGLang driver: server base URLs (SLUICE_SGLANG_SERVERS, comma-separated; --sglang-servers)."""
+    sglang_kv_events: tuple[str, ...] = ()
+    """SGLang driver: the servers' KV event ZMQ endpoints, same order (SLUICE_SGLANG_KV_EVENTS)."""
+    sglang_kv_replay: tuple[str, ...] = ()
+    """SGLang driver: their replay endpoints, same order (SLUICE_SGLANG_KV_REPLAY)."""
+    sglang_api_key: str | None = None
+    """SGLang driver: the servers' --api-key (SLUICE_SGLANG_API_KEY); never logged."""
+    sglang_chat_template: str | None = None
+    """SGLang driver: Jinja chat template file; None: ChatML (SLUICE_SGLANG_CHAT_TEMPLATE)."""
+    sglang_snapshot: str | None = None
+    """SGLang driver: file of the approximate routing trees, saved and reloaded (SLUICE_SGLANG_SNAPSHOT)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -183,6 +195,12 @@ class Settings:
             fleet_policy=e.get("SLUICE_FLEET_POLICY", d.fleet_policy),
             fleet_secret=e.get("SLUICE_FLEET_SECRET") or d.fleet_secret,
             fleet_ca=e.get("SLUICE_FLEET_CA") or d.fleet_ca,
+            sglang_servers=_csv(e.get("SLUICE_SGLANG_SERVERS", "")),
+            sglang_kv_events=_csv(e.get("SLUICE_SGLANG_KV_EVENTS", "")),
+            sglang_kv_replay=_csv(e.get("SLUICE_SGLANG_KV_REPLAY", "")),
+            sglang_api_key=e.get("SLUICE_SGLANG_API_KEY") or d.sglang_api_key,
+            sglang_chat_template=e.get("SLUICE_SGLANG_CHAT_TEMPLATE") or d.sglang_chat_template,
+            sglang_snapshot=e.get("SLUICE_SGLANG_SNAPSHOT") or d.sglang_snapshot,
         )
 
     def __post_init__(self) -> None:
@@ -236,3 +254,7 @@ def _floats(text: str | None, default: tuple[float, ...]) -> tuple[float, ...]:
     if not text or not text.strip():
         return default
     return tuple(float(part) for part in text.split(","))
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())

@@ -1,0 +1,158 @@
+"""One SGLang server's endpoints over httpx, and one request's stream with the timeouts that tell a
+dead server from a slow one.
+
+    connect_s      the TCP (and TLS) connection must be up by then: a dead host or port
+    first_token_s  the first output must come by then (SGLang sends nothing while a request queues)
+    inter_token_s  the same between two outputs
+
+Each failure is a `WorkerLost` (try another server) or a `WorkerRefused` (the server answered no,
+with an `ErrorKind` that says whether another server may say yes), the fleet's two exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import httpx
+import msgspec
+
+from drivers.fleet.client import FleetTimeouts, WorkerLost, WorkerRefused
+from drivers.fleet.wire import ErrorKind
+from drivers.sglang import protocol
+from drivers.sglang.protocol import GenerateOut
+
+ABORT_TIMEOUT_S = 2.0
+
+
+class SGLangClient:
+    def __init__(self, api_key: str | None, timeouts: FleetTimeouts) -> None:
+        self.timeouts = timeouts
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        t = timeouts
+        # No read timeout on the socket: a queued request is silent; the token timeouts below bound it.
+        self.http = httpx.AsyncClient(
+            headers=headers, timeout=httpx.Timeout(connect=t.connect_s, read=None, write=10.0, pool=t.connect_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def get_json(self, address: str, path: str, timeout_s: float) -> Any:
+        response = await self.http.get(address + path, timeout=timeout_s)
+        response.raise_for_status()
+        return response.json()
+
+    async def healthy(self, address: str, timeout_s: float) -> bool:
+        """/health_generate: 200 once a one-token generation went through (or the server is busy
+        generating anyway); 503 while it starts, drains or is unhealthy."""
+        response = await self.http.get(address + protocol.HEALTH_PATH, timeout=timeout_s)
+        return response.status_code == 200
+
+    async def tokenize(self, address: str, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            response = await self.http.post(address + protocol.TOKENIZE_PATH,
+                                            json={"prompt": text, "add_special_tokens": add_special_tokens})
+        except httpx.ConnectError as exc:
+            raise WorkerLost(f"cannot connect to {address}: {exc}", definite=True) from exc
+        except httpx.HTTPError as exc:
+            raise WorkerLost(f"{address}: {type(exc).__name__} {exc}") from exc
+        if response.status_code != 200:
+            raise refusal(response.status_code, response.content, response.headers, address)
+        tokens = response.json().get("tokens")
+        if not isinstance(tokens, list):
+            raise WorkerLost(f"{address}: /tokenize answered without tokens")
+        return [int(t) for t in tokens]
+
+    async def abort(self, address: str, rid: str) -> None:
+        """Best effort: closing the stream already aborts on SGLang; this covers a proxy in between
+        that keeps the upstream connection open."""
+        with contextlib.suppress(httpx.HTTPError):
+            await self.http.post(address + protocol.ABORT_PATH, json={"rid": rid}, timeout=ABORT_TIMEOUT_S)
+
+    async def stream(self, address: str, body: dict[str, Any]) -> AsyncGenerator[GenerateOut, None]:
+        """The request's outputs up to the one with a finish reason; closing it early closes the
+        connection, which aborts the request on the server."""
+        t = self.timeouts
+        try:
+            async with self.http.stream("POST", address + protocol.GENERATE_PATH, json=body) as response:
+                if response.status_code != 200:
+                    raise refusal(response.status_code, await response.aread(), response.headers, address)
+                raw = response.aiter_raw()
+                buffer = b""
+                loop = asyncio.get_running_loop()
+                due = loop.time() + t.first_token_s
+                while True:
+                    try:
+                        async with asyncio.timeout_at(due):
+                            buffer += await anext(raw)
+                    except StopAsyncIteration:
+                        raise WorkerLost(f"{address}: the stream ended before the request finished") from None
+                    except TimeoutError:
+                        raise WorkerLost(f"{address}: no output within the token timeout") from None
+                    *events, buffer = buffer.split(b"\n\n")
+                    for event in events:
+                        data = _sse_data(event)
+                        if data is None:
+                            continue
+                        if data == protocol.DONE:
+                            raise WorkerLost(f"{address}: [DONE] before a finish reason")
+                        out = protocol.OUT_DECODER.decode(data)
+                        if out.error is not None:
+                            # SGLang's ValueError path: a request it cannot serve (too long, bad ids).
+                            raise WorkerRefused(ErrorKind.INVALID, out.error.message)
+                        yield out
+                        if out.meta_info.finish_reason is not None:
+                            return
+                        due = loop.time() + t.inter_token_s
+        except httpx.ConnectError as exc:
+            raise WorkerLost(f"cannot connect to {address}: {exc}", definite=True) from exc
+        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WorkerLost(f"{address}: {type(exc).__name__} {exc}") from exc
+
+
+def _sse_data(event: bytes) -> bytes | None:
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            return line[5:].strip()
+    return None
+
+
+def refusal(status: int, content: bytes, headers: httpx.Headers, address: str) -> Exception:
+    """The one mapping of an SGLang HTTP status to a refusal (or a lost server)."""
+    try:
+        message = protocol.ERROR_DECODER.decode(content).text()
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        message = content[:200].decode(errors="replace")
+    message = message or f"HTTP {status}"
+    if status in (400, 413, 422):
+        return WorkerRefused(ErrorKind.INVALID, message)
+    if status == 404:
+        return WorkerRefused(ErrorKind.MODEL_NOT_FOUND, message)
+    if status in (429, 503):
+        return WorkerRefused(ErrorKind.OVERLOADED, message, retry_after=_retry_after(headers))
+    if status in (401, 403):
+        return WorkerRefused(ErrorKind.ENGINE_DEAD, f"{address} refused the API key ({status})")
+    return WorkerLost(f"{address}: HTTP {status}: {message}")
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    with contextlib.suppress(TypeError, ValueError):
+        return float(headers.get("retry-after"))
+    return None
+
+
+def parse_load(payload: Any) -> tuple[int, int]:
+    """(running, waiting) from /get_load: a list of per-DP-rank {"num_reqs", "num_waiting_reqs", ...}
+    or, in older servers, {"load": N}."""
+    ranks = payload if isinstance(payload, list) else [payload]
+    running = waiting = 0
+    for rank in ranks:
+        if not isinstance(rank, dict):
+            continue
+        running += int(rank.get("num_reqs", rank.get("load", 0)) or 0)
+        waiting += int(rank.get("num_waiting_reqs", 0) or 0)
+    return running, waiting
