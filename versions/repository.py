@@ -227,9 +227,8 @@ class RegistryRepository:
                 .order_by(RegistryGeneration.generation.desc())
             )).all()
             kept = {v for g in history[:2] for v in g.weights}
-            kept |= set((await s.scalars(select(RegistryTenantAccess.version).where(
-                RegistryTenantAccess.model == model, RegistryTenantAccess.version.is_not(None)
-            ))).all())
+            pins = (await s.scalars(select(RegistryTenantAccess.version).where(RegistryTenantAccess.model == model))).all()
+            kept |= {v for v in pins if v is not None}
             named_before = {v for g in history[2:] for v in g.weights}
             released = []
             for version in sorted(named_before - kept):
