@@ -68,7 +68,7 @@ function modelCard(model, metrics) {
       h("span", { class: "weights", "data-state": "weights" }, Object.entries(weights).map(([v, w]) =>
         h("span", { class: `badge ${roleOf(v, weights)}`, "data-weight": v, "data-value": w }, `${v} ${w}%`)))),
     h("table", { "data-table": "versions" },
-      h("thead", {}, h("tr", {}, ["Version", "Role", "State", "Weight", "Here", "In flight", "Requests", "Errors",
+      h("thead", {}, h("tr", {}, ["Version", "Role", "State", "Weight", "Here (in flight)", "Requests", "Errors",
         "TTFT p50 / p99", "ITL p50 / p99", "Latency p50 / p99", "Source", "Changed"].map((c) => h("th", {}, c)))),
       h("tbody", {}, versions.map((v) => {
         const f = figures[v.id] ?? {};
@@ -77,14 +77,14 @@ function modelCard(model, metrics) {
           h("td", { class: "mono" }, v.id), h("td", {}, role === "other" ? "" : h("span", { class: `badge ${role}` }, role)),
           h("td", {}, h("span", { class: `badge ${v.state}` }, v.state)),
           h("td", { class: "num", "data-metric": "weight", "data-value": weights[v.version] ?? 0 }, `${weights[v.version] ?? 0}%`),
-          h("td", {}, v.hosted_here ? "yes" : "no"), h("td", { class: "num" }, fmtInt(v.in_flight)),
+          h("td", { "data-metric": "hosted", "data-value": String(v.hosted_here) }, v.hosted_here ? `yes (${fmtInt(v.in_flight)})` : "no"),
           h("td", { class: "num", "data-metric": "requests", "data-value": f.requests ?? 0 }, fmtInt(f.requests ?? 0)),
           h("td", { class: "num", "data-metric": "errors", "data-value": f.errors ?? 0 }, fmtInt(f.errors ?? 0)),
           h("td", { class: "num" }, `${fmtMs(f.ttft_p50_ms)} / ${fmtMs(f.ttft_p99_ms)}`),
           h("td", { class: "num" }, `${fmtMs(f.itl_p50_ms)} / ${fmtMs(f.itl_p99_ms)}`),
           h("td", { class: "num" }, `${fmtMs(f.e2e_p50_ms)} / ${fmtMs(f.e2e_p99_ms)}`),
-          h("td", { class: "mono small", title: v.source }, v.source.split("/").slice(-2).join("/")),
-          h("td", { class: "small" }, `${fmtTime(v.updated_at)} by ${v.updated_by}`, v.detail ? h("div", { class: "muted" }, v.detail) : null));
+          h("td", { class: "mono small", title: v.source }, v.source.split("/").at(-1)),
+          h("td", { class: "small", title: v.detail ?? "" }, fmtTime(v.updated_at), h("div", { class: "muted" }, `by ${v.updated_by}`)));
       }))),
     compared.length ? h("div", { class: "charts" },
       barChart({
