@@ -151,11 +151,11 @@ def _setup(urls: list[str], sources: dict[str, str], dtype: str) -> str:
 # ----- figures ---------------------------------------------------------------------------------------
 
 
-def _summary(records: list[Record]) -> dict[str, Any]:
+def _summary(records: list[Record], span: float) -> dict[str, Any]:
+    """`span`: the seconds of sending time these records were sent in (throughput = sent / span)."""
     ttfts = sorted(r.first - r.sent for r in records if r.first is not None)
     if not records or not ttfts:
         return {"requests": len(records)}
-    span = max(r.ended for r in records) - min(r.sent for r in records)
 
     def pct(q: float) -> float:
         return round(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] * 1000, 1)
@@ -204,15 +204,17 @@ def run(config: SwitchBenchConfig) -> dict[str, Any]:
     finally:
         asyncio.run(drop_postgres_database(db_url))
     start = min(r.sent for r in records) + 1.0  # the first second warms the connections
+    end = max(r.sent for r in records)
 
     def switching(r: Record) -> bool:
         return any(c <= r.sent <= c + config.window_s for c in called_at)
 
     measured = [r for r in records if r.sent >= start]
+    switching_s = sum(min(c + config.window_s, end) - c for c in called_at)
     return {
         "config": asdict(config),
-        "switching": _summary([r for r in measured if switching(r)]),
-        "steady": _summary([r for r in measured if not switching(r)]),
+        "switching": _summary([r for r in measured if switching(r)], switching_s),
+        "steady": _summary([r for r in measured if not switching(r)], end - start - switching_s),
         "switches": switches,
         "failed": sum(not r.ok for r in records),
         "served_by": {m: sum(r.model == m for r in records) for m in sorted({str(r.model) for r in records})},
