@@ -118,7 +118,11 @@ class VersionService:
     async def _release_unreferenced(self, model: str, actor: str) -> None:
         """Versions the alias left behind free their memory (rollback stays instant: the generation
         before the newest keeps its versions loaded)."""
-        released = await self.repo.release_unreferenced(model, actor)
+        try:
+            released = await self.repo.release_unreferenced(model, actor)
+        except Exception:  # the alias change stands; the next one releases what this one could not
+            log.exception("releasing the versions %s no longer references failed", model)
+            return
         if not released:
             return
         await self.sync.notify()  # every replica stops routing to them and unloads them once drained
