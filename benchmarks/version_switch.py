@@ -73,7 +73,9 @@ async def _load(urls: list[str], key: str, config: SwitchBenchConfig, stop_at: f
     records: list[Record] = []
     body = {"model": MODEL, "messages": PROMPT, "max_tokens": config.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=config.streams)) as client:
+    # Idle connections expire before the server's keep-alive timeout (5 s): none is reused as it closes.
+    limits = httpx.Limits(max_connections=config.streams, keepalive_expiry=1.0)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         async def worker(i: int) -> None:
             replica = i % len(urls)
             while time.time() < stop_at:

@@ -46,6 +46,7 @@ PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 2
 KV_BYTES = 16 * 2**20  # each engine's KV pool (--kv-cache-memory)
 DTYPE = "float32"  # greedy picks independent of the batch they run in
+KEEPALIVE_S = 1.0  # the client's idle-connection expiry
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +223,10 @@ class Load:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _run(self) -> None:
-        async with httpx.AsyncClient(timeout=HANG_S, limits=httpx.Limits(max_connections=STREAMS)) as client:
+        # Idle connections expire here well before the server's keep-alive timeout (uvicorn: 5 s), so
+        # a request never goes out on a connection the server is closing (a ReadError on a starved host).
+        limits = httpx.Limits(max_connections=STREAMS, keepalive_expiry=KEEPALIVE_S)
+        async with httpx.AsyncClient(timeout=HANG_S, limits=limits) as client:
             async def worker(i: int) -> None:
                 replica = i % 2
                 while not self._stop.is_set():
