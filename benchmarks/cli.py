@@ -24,6 +24,7 @@ from benchmarks import (
     telemetry_overhead,
     tenancy_overhead,
     tokenize_stall,
+    version_switch,
 )
 
 
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     tenancy_overhead.add_arguments(sub)
     telemetry_overhead.add_arguments(sub)
     tokenize_stall.add_arguments(sub)
+    version_switch.add_arguments(sub)
     return parser
 
 

@@ -9,6 +9,7 @@ import msgspec
 from msgspec import Meta
 
 from drivers.hosting import HostedVersion
+from observability.version_view import VersionFigures
 from versions.repository import AliasRecord, ChangeRecord, VersionRecord
 from versions.routing import AppliedAlias
 
@@ -112,6 +113,13 @@ class ChangeOut(msgspec.Struct, frozen=True, kw_only=True):
 
 class ChangesOut(msgspec.Struct, frozen=True):
     data: list[ChangeOut]
+
+
+class VersionMetricsOut(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-version figures on this replica (observability/version_view.py)."""
+
+    model: str
+    versions: list[VersionFigures]
 
 
 class TenantModels(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -3,8 +3,10 @@
 A version's lifecycle (`VersionState`, ordered):
 
     registered -> loading -> ready -> draining -> retired
-        ^            |
-        +------------+  a deploy that fails goes back to registered (the reason is in the change log)
+        ^  ^         |                   |
+        |  +---------+  a deploy that fails goes back to registered (the reason is in the change log)
+        +--------------------------------+  released (no alias references it any more): unloaded,
+                                            it may be deployed again
 
 Only `ready` versions may be named by an alias or addressed directly (`name@version`).
 """

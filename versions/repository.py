@@ -215,6 +215,33 @@ class RegistryRepository:
             raise RegistryConflictError(f"the alias of {model} changed meanwhile: read it again") from None
         return AliasRecord.of(written)
 
+    async def release_unreferenced(self, model: str, actor: str) -> list[str]:
+        """Move to `draining` every ready version of `model` that some older alias generation named and
+        neither of the newest two (the alias, and what a rollback would restore) nor any tenant's pin
+        names any more; returns those versions. A version no alias has named yet (deployed, awaiting
+        its switch) stays. Under the model's lock, so an alias naming it cannot be written meanwhile."""
+        async with self.sessions() as s, s.begin():
+            await _lock_model(s, model)
+            history = (await s.scalars(
+                select(RegistryGeneration).where(RegistryGeneration.model == model)
+                .order_by(RegistryGeneration.generation.desc())
+            )).all()
+            kept = {v for g in history[:2] for v in g.weights}
+            pins = (await s.scalars(select(RegistryTenantAccess.version).where(RegistryTenantAccess.model == model))).all()
+            kept |= {v for v in pins if v is not None}
+            named_before = {v for g in history[2:] for v in g.weights}
+            released = []
+            for version in sorted(named_before - kept):
+                row = await _version_row(s, model, version)
+                if row.state != VersionState.READY.value:
+                    continue
+                row.state, row.detail = VersionState.DRAINING.value, "no alias references it any more"
+                row.updated_at, row.updated_by = utcnow(), actor
+                _log(s, model, version, "release", {"state": row.state, "since_generation": history[0].generation},
+                     actor)
+                released.append(version)
+        return released
+
     async def tenant_access(self, tenant_id: str) -> dict[str, str | None] | None:
         async with self.sessions() as s:
             rows = (await s.scalars(

@@ -5,6 +5,9 @@
               load and warm it here; the other replicas load it when they hear of it     -> loading -> ready
     alias     {version: weight} as generation g + 1, if the caller saw g (compare-and-set)
     rollback  the weights of the generation before the newest, as a new generation
+    release   after each alias change: a ready version an older generation named, but neither
+              of the newest two (nor a tenant's pin) does, drains and is unloaded
+              everywhere, freeing its memory; it can be deployed again                -> draining -> registered
     retire    refused while the alias points at the version; otherwise it drains (no new
               request; those running finish) and is unloaded on every replica              -> draining -> retired
 
@@ -79,6 +82,7 @@ class VersionService:
         check_model_name(model)
         alias = await self.repo.write_alias(model, check_weights(weights), expected, actor, "alias")
         await self.sync.notify()
+        await self._release_unreferenced(model, actor)
         return alias
 
     async def rollback(self, model: str, expected: int | None, actor: str) -> AliasRecord:
@@ -95,6 +99,7 @@ class VersionService:
             raise RegistryConflictError(f"{model} has no generation before {current.generation}")
         alias = await self.repo.write_alias(model, previous.weights, current.generation, actor, "rollback")
         await self.sync.notify()
+        await self._release_unreferenced(model, actor)
         return alias
 
     async def retire(self, model: str, version: str, actor: str) -> VersionRecord:
@@ -107,20 +112,39 @@ class VersionService:
         record = await self.repo.set_state(model, version, _S.DRAINING, actor,
                                            expect=frozenset({_S.LOADING, _S.READY}), action="retire")
         await self.sync.notify()  # every replica stops routing to it and unloads it once drained
-        task = asyncio.create_task(self._finish_retiring(model, version, actor), name=f"retire-{record.id}")
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+        self._after_drain(model, version, _S.RETIRED, "retired", actor)
         return record
 
-    async def _finish_retiring(self, model: str, version: str, actor: str) -> None:
+    async def _release_unreferenced(self, model: str, actor: str) -> None:
+        """Versions the alias left behind free their memory (rollback stays instant: the generation
+        before the newest keeps its versions loaded)."""
+        try:
+            released = await self.repo.release_unreferenced(model, actor)
+        except Exception:  # the alias change stands; the next one releases what this one could not
+            log.exception("releasing the versions %s no longer references failed", model)
+            return
+        if not released:
+            return
+        await self.sync.notify()  # every replica stops routing to them and unloads them once drained
+        for version in released:
+            log.info("version %s released: no alias references it", version_id(model, version))
+            self._after_drain(model, version, _S.REGISTERED, "unloaded", actor)
+
+    def _after_drain(self, model: str, version: str, state: VersionState, action: str, actor: str) -> None:
+        task = asyncio.create_task(self._finish_draining(model, version, state, action, actor),
+                                   name=f"{action}-{version_id(model, version)}")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _finish_draining(self, model: str, version: str, state: VersionState, action: str, actor: str) -> None:
+        """Once this replica has unloaded it (the others do so on their own), `state`."""
         vid = version_id(model, version)
         try:
             await self.sync.unloaded(vid)
-            await self.repo.set_state(model, version, _S.RETIRED, actor, expect=frozenset({_S.DRAINING}),
-                                      action="retired")
+            await self.repo.set_state(model, version, state, actor, expect=frozenset({_S.DRAINING}), action=action)
             await self.sync.notify()
         except Exception:
-            log.exception("retiring %s did not finish", vid)
+            log.exception("draining %s did not finish", vid)
 
     async def changes(self, model: str) -> list[ChangeRecord]:
         return await self.repo.changes(check_model_name(model))

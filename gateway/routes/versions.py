@@ -27,10 +27,13 @@ from gateway.version_schemas import (
     Rollback,
     TenantModels,
     VersionCreate,
+    VersionMetricsOut,
     VersionOut,
 )
+from observability.hub import Observability
+from observability.version_view import version_figures
 from versions.errors import NoHostError, UnknownModelError
-from versions.names import check_model_name
+from versions.names import check_model_name, version_id
 
 Actor = FromHeader[Annotated[str | None, HeaderParameter(
     name="x-sluice-actor", max_length=200, required=False, description="who makes the change, for the change log"
@@ -159,6 +162,24 @@ async def model_changes(request: Request, name: FromPath[str], admin: NamedDepen
 
 
 @get(
+    "/admin/models/{name:str}/metrics", security=ADMIN_SECURITY, tags=_TAGS,
+    responses=error_responses(400, 401, 403, 404),
+)
+async def model_metrics(
+    request: Request, name: FromPath[str], observability: NamedDependency[Observability],
+    admin: NamedDependency[None],
+) -> VersionMetricsOut:
+    """Each version's requests, errors, TTFT, inter-token and end-to-end latency (p50 / p99) on this
+    replica since it started, the canary beside the current version (docs/versions.md)."""
+    registry = _registry(request)
+    snapshot = await registry.sync.repo.snapshot()
+    if check_model_name(name) not in snapshot.models:
+        raise UnknownModelError(f"no model named {name!r} is registered")
+    ids = sorted(version_id(v.model, v.version) for v in snapshot.versions.values() if v.model == name)
+    return VersionMetricsOut(model=name, versions=version_figures(observability.metrics, ids))
+
+
+@get(
     "/admin/tenants/{tenant_id:str}/models", security=ADMIN_SECURITY, tags=_TAGS,
     responses=error_responses(400, 401, 403),
 )
@@ -188,5 +209,5 @@ async def set_tenant_models(
 
 VERSION_ROUTES = [
     list_registry, get_model, register_version, deploy_version, set_alias, rollback, retire_version, model_changes,
-    get_tenant_models, set_tenant_models,
+    model_metrics, get_tenant_models, set_tenant_models,
 ]

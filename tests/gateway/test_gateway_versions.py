@@ -3,9 +3,11 @@
 Two tiny random Llamas saved as Hugging Face folders are the versions: v1 is the model each replica
 started with (its engine adopted), v2 is loaded beside it. Their greedy answers differ, so every
 response shows which version produced it. (The bundled GGUF would do as v1, but two replicas loading
-it take minutes on the shared CI machine; it serves here as the version too big for the budget.) Under continuous streaming load the alias goes v1 -> v2 -> canary 90/10 ->
-rolled back, and no request fails, none mixes versions, and none admitted after a replica applied a
-generation is served by a version that generation does not name.
+it take minutes on the shared CI machine; it serves here as the version too big for the budget.)
+Under continuous streaming load the alias goes v1 -> v2 -> canary 90/10 -> rolled back -> v2 again,
+and no request fails, none mixes versions, none admitted after a replica applied a generation (or
+more than 1 s after the admin's call was answered) is served by a version that generation does not
+name, and v1, which no alias references any more, drains and is unloaded on both replicas.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Any, Self
 import httpx
 import pytest
 from gateway_server import Server, start_server
-from version_models import tiny_llama, unsupported
 
+from benchmarks.version_models import tiny_llama, unsupported
 from engine_native.model.bundled import bundled_model_path
 from engine_native.model.inspect import inspect_model
 from tenants.db import create_postgres_database, drop_postgres_database
@@ -38,12 +40,13 @@ REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ADMIN = {"authorization": "Bearer versions-admin-key", "x-sluice-actor": "release-bot"}
 MODEL = "smol"
 HANG_S = 120.0  # deadlines only catch hangs (two engines per replica load on a shared 2-core machine)
-STREAMS = 16  # concurrent streams, half on each replica
+STREAMS = 32  # concurrent streams, half on each replica
 CANARY_SAMPLE = 400  # requests pinned to the canary generation the split is measured over
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 2
 KV_BYTES = 16 * 2**20  # each engine's KV pool (--kv-cache-memory)
 DTYPE = "float32"  # greedy picks independent of the batch they run in
+KEEPALIVE_S = 1.0  # the client's idle-connection expiry
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +130,13 @@ def deploy(pair: list[Server], version: str, source: str) -> None:
     wait_until(f"{version} hosted on replica 1", lambda: version_view(pair[1], version)["hosted_here"])
 
 
+CALLED, ANSWERED = -1, -2  # keys of switch()'s answer that are not replicas
+APPLY_S = 1.0  # the issue's bound: a request admitted this long after a switch never reaches the old version
+
+
 def switch(pair: list[Server], weights: dict[str, int] | None, generation: int) -> dict[int, float]:
     """Set the alias (None: roll back) from `generation`; returns when each replica applied the new one
-    (time.time(), key -1: when the admin call was made)."""
+    (time.time()), and when the admin call was made (CALLED) and answered (ANSWERED)."""
     called = time.time()
     if weights is None:
         resp = admin(pair[0], "POST", f"/admin/models/{MODEL}/rollback", generation=generation)
@@ -137,7 +144,7 @@ def switch(pair: list[Server], weights: dict[str, int] | None, generation: int) 
         resp = admin(pair[0], "PUT", f"/admin/models/{MODEL}/alias", weights=weights, generation=generation)
     assert resp.status_code == 200, resp.text
     assert resp.json()["generation"] == generation + 1
-    applied = {-1: called}
+    applied = {CALLED: called, ANSWERED: time.time()}
     for i, server in enumerate(pair):
         view = wait_until(f"generation {generation + 1} on replica {i}",
                           lambda s=server: (v := model_view(s))["applied"]["generation"] == generation + 1 and v)
@@ -216,7 +223,10 @@ class Load:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _run(self) -> None:
-        async with httpx.AsyncClient(timeout=HANG_S, limits=httpx.Limits(max_connections=STREAMS)) as client:
+        # Idle connections expire here well before the server's keep-alive timeout (uvicorn: 5 s), so
+        # a request never goes out on a connection the server is closing (a ReadError on a starved host).
+        limits = httpx.Limits(max_connections=STREAMS, keepalive_expiry=KEEPALIVE_S)
+        async with httpx.AsyncClient(timeout=HANG_S, limits=limits) as client:
             async def worker(i: int) -> None:
                 replica = i % 2
                 while not self._stop.is_set():
@@ -251,7 +261,7 @@ async def _one(server: Server, secret: str, model: str) -> Outcome:
 def print_figures(outcomes: list[Outcome], applied: dict[int, dict[int, float]]) -> None:
     """The closing note's figures (pytest -s shows them): client TTFT p99 and throughput in the second
     around each switch vs the steady stretches between, and admin call -> last replica applied."""
-    around = [(w[-1] - 0.5, w[-1] + 1.5) for w in applied.values()]
+    around = [(w[CALLED] - 0.5, w[CALLED] + 1.5) for w in applied.values()]
 
     def near(o: Outcome) -> bool:
         return any(a <= o.sent <= b for a, b in around)
@@ -267,7 +277,7 @@ def print_figures(outcomes: list[Outcome], applied: dict[int, dict[int, float]])
     print("\nswitching:", summary([o for o in outcomes if near(o)]))
     print("steady:   ", summary([o for o in outcomes if not near(o)]))
     for generation, when in applied.items():
-        lag = max(t for r, t in when.items() if r >= 0) - when[-1]
+        lag = max(t for r, t in when.items() if r >= 0) - when[CALLED]
         print(f"generation {generation}: admin call -> last replica applied {lag * 1000:.0f} ms")
 
 
@@ -282,7 +292,7 @@ def test_switch_canary_and_rollback_under_load_lose_nothing(
     deploy(pair, "v2", str(sources["v2"]))
     expected = {f"{MODEL}@{v}": greedy(pair[0], secret, f"{MODEL}@{v}")[0] for v in ("v1", "v2")}
     assert expected[f"{MODEL}@v1"] != expected[f"{MODEL}@v2"], expected
-    weights = {1: {"v1": 100}, 2: {"v2": 100}, 3: {"v1": 90, "v2": 10}, 4: {"v2": 100}}
+    weights = {1: {"v1": 100}, 2: {"v2": 100}, 3: {"v1": 90, "v2": 10}, 4: {"v2": 100}, 5: {"v2": 100}}
     applied: dict[int, dict[int, float]] = {}
 
     with Load(pair, secret) as load:
@@ -293,6 +303,12 @@ def test_switch_canary_and_rollback_under_load_lose_nothing(
         load.wait_for("the canary sample", lambda outs: sum(o.generation == 3 for o in outs) >= CANARY_SAMPLE)
         applied[4] = switch(pair, None, 3)  # roll back to generation 2's weights
         load.wait_for("traffic after the rollback", lambda outs: sum(o.generation == 4 for o in outs) >= 2 * STREAMS)
+        # Generations 5 and 4 do not name v1 (nor does a pin): it drains and is unloaded, under load.
+        applied[5] = switch(pair, weights[5], 4)
+        for i, server in enumerate(pair):
+            wait_until(f"v1 unloaded on replica {i}", lambda s=server: not version_view(s, "v1")["hosted_here"])
+        wait_until("v1 released", lambda: version_view(pair[0], "v1")["state"] == "registered")
+        load.wait_for("traffic after the release", lambda outs: sum(o.generation == 5 for o in outs) >= 2 * STREAMS)
     outcomes = load.outcomes
 
     failed = [o for o in outcomes if not o.ok]
@@ -303,8 +319,10 @@ def test_switch_canary_and_rollback_under_load_lose_nothing(
         assert o.generation is not None and o.model.split("@")[1] in weights[o.generation], o
     # Admitted after a replica applied a generation: never an older generation's version on that replica.
     for generation, when in applied.items():
-        late = [o for o in outcomes if o.sent > when[o.replica]]  # key -1 is the call: never a replica
+        late = [o for o in outcomes if o.sent > when[o.replica]]
         assert late and all(o.generation is not None and o.generation >= generation for o in late)
+        late = [o for o in outcomes if o.sent > when[ANSWERED] + APPLY_S]
+        assert late and all(o.generation is not None and o.generation >= generation for o in late), generation
     canary = [o for o in outcomes if o.generation == 3]
     share = 100 * sum(o.model == f"{MODEL}@v2" for o in canary) / len(canary)
     assert 5 <= share <= 15, (share, len(canary))
@@ -313,11 +331,15 @@ def test_switch_canary_and_rollback_under_load_lose_nothing(
 
     print_figures(outcomes, applied)
     changes = admin(pair[1], "GET", f"/admin/models/{MODEL}/changes").json()["data"]
-    assert [c["action"] for c in changes if c["version"] is None][:4] == ["rollback", "alias", "alias", "alias"]
+    assert [c["action"] for c in changes if c["version"] is None][:5] == ["alias", "rollback", "alias", "alias", "alias"]
+    assert [c["action"] for c in changes if c["version"] == "v1"][:2] == ["unloaded", "release"]
     assert all(c["actor"] == "release-bot" for c in changes)
 
 
 def test_a_tenant_limited_to_a_pinned_version_on_every_replica(pair: list[Server], secret: str) -> None:
+    redeploy = admin(pair[0], "POST", f"/admin/models/{MODEL}/versions/v1/deploy")  # released by the load test
+    assert redeploy.status_code == 200 and redeploy.json()["state"] == "ready", redeploy.text
+    wait_until("v1 hosted on replica 1 again", lambda: version_view(pair[1], "v1")["hosted_here"])
     tenant = admin(pair[0], "POST", "/admin/tenants", name=f"t-{uuid.uuid4().hex[:8]}", requests_per_minute=None)
     key = admin(pair[0], "POST", f"/admin/tenants/{tenant.json()['id']}/keys", name="k").json()["key"]
     path = f"/admin/tenants/{tenant.json()['id']}/models"

@@ -124,3 +124,34 @@ def test_a_tenant_model_list_is_stored_checked_and_cleared(db_url: str) -> None:
             await engine.dispose()  # type: ignore[attr-defined]
 
     asyncio.run(scenario())
+
+
+def test_a_version_no_alias_references_any_more_is_released(db_url: str) -> None:
+    async def scenario() -> None:
+        repo, engine = await _repo(db_url)
+        model = f"m-{uuid.uuid4().hex[:8]}"
+        try:
+            tenant = await TenantService(repo.sessions).create_tenant(TenantSpec(name=f"t-{uuid.uuid4().hex[:8]}"))
+            for version in ("v1", "v2", "v3", "v4"):
+                await _ready(repo, model, version)
+            await repo.write_alias(model, {"v1": 100}, 0, "alice", "alias")
+            await repo.write_alias(model, {"v2": 100}, 1, "alice", "alias")
+            # v1 is what a rollback restores; v3 and v4 were never named (deployed, awaiting a switch).
+            assert await repo.release_unreferenced(model, "alice") == []
+            await repo.set_tenant_access(tenant.id, {model: "v1"}, "alice")
+            await repo.write_alias(model, {"v3": 100}, 2, "alice", "alias")
+            assert await repo.release_unreferenced(model, "alice") == []  # v1: a tenant is pinned to it
+            await repo.set_tenant_access(tenant.id, None, "alice")
+            assert await repo.release_unreferenced(model, "alice") == ["v1"]
+            await repo.write_alias(model, {"v3": 100}, 3, "bob", "alias")
+            assert await repo.release_unreferenced(model, "bob") == ["v2"]
+            states = {v.version: v.state for v in (await repo.snapshot()).versions.values() if v.model == model}
+            assert states == {"v1": S.DRAINING, "v2": S.DRAINING, "v3": S.READY, "v4": S.READY}
+            assert (await repo.changes(model))[0].action == "release"
+            # Unloaded everywhere, it may be deployed again.
+            await repo.set_state(model, "v1", S.REGISTERED, "bob", expect=frozenset({S.DRAINING}), action="unloaded")
+            await repo.set_state(model, "v1", S.LOADING, "bob", expect=frozenset({S.REGISTERED}), action="deploy")
+        finally:
+            await engine.dispose()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())

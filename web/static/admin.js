@@ -5,6 +5,7 @@ import { barChart, COLORS, lineChart, meter } from "./charts.js";
 import { fmtInt, fmtMs, fmtTime, h, replace } from "./dom.js";
 import { api } from "./api.js";
 import { billedPanel, relayTab } from "./billing.js";
+import { modelsTab } from "./models.js";
 import { rangePicker, usagePanel } from "./usage.js";
 
 const TIERS = ["premium", "standard", "batch"];
@@ -267,17 +268,4 @@ function latencyPanel(report) {
         "a line rising alone: long prompts regress"),
       chart("itl-by-prompt", "Inter-token latency p90 by prompt length (tokens)", report.itl_by_prompt),
       chart("itl-by-position", "Inter-token latency p90 by output position (token)", report.itl_by_position)));
-}
-
-// -- models -------------------------------------------------------------------------------------
-
-async function modelsTab(panel) {
-  const { data } = await api("/admin/models");
-  replace(panel, h("div", { class: "toolbar" }, h("h2", {}, `Models (${data.length})`)),
-    h("table", { class: "card", "data-table": "models" },
-      h("thead", {}, h("tr", {}, ["Model", "Owned by", "Context (tokens)", "Created"].map((c) => h("th", {}, c)))),
-      h("tbody", {}, data.map((m) => h("tr", { "data-model": m.id },
-        h("td", { class: "mono" }, m.id), h("td", {}, m.owned_by), h("td", { class: "num" }, fmtInt(m.max_model_len)),
-        h("td", {}, fmtTime(new Date(m.created * 1000).toISOString())))))));
-  return null;
 }

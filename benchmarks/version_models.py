@@ -1,5 +1,5 @@
-"""Model sources for the model-version tests, written straight to disk (no transformers: its import
-and GGUF conversion take most of a minute on the CI machine).
+"""Model sources for the model-version tests and `sluice bench version-switch`, written straight to
+disk (no transformers: its import and GGUF conversion take most of a minute on the CI machine).
 
     tiny_llama      a random 1-layer Llama as a Hugging Face folder (config.json, safetensors, the
                     bundled model's tokenizer saved as tokenizer.json); two seeds give two versions
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -22,7 +23,7 @@ HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 32, 64, 2, 1
 
 
 def tiny_llama(folder: Path, seed: int = 0) -> Path:
-    tok = load_tokenizer(bundled_model_path())
+    tok: Any = load_tokenizer(bundled_model_path())  # the GGUF tokenizer: its backend, EOS and template
     assert tok is not None
     model_dir = folder / f"tiny-llama-{seed}"
     model_dir.mkdir(parents=True)

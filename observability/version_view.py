@@ -1,0 +1,113 @@
+"""Per-version figures on this replica, for comparing a canary with the current version on one screen
+(the console's Models tab, `GET /admin/models/{name}/metrics`).
+
+Read from the serving metrics when asked, never kept apart: the `model` label of every request
+metric is the version id that served it (`chat@v2`), so a version's figures are the samples with
+that label, summed over the other labels (node, priority, prompt bucket, tenant).
+
+    requests    finished requests by outcome ("ok", "disconnected", "timeout", errors by name)
+    ttft, itl, e2e  p50 / p99 estimated from the histogram buckets, as Prometheus'
+                histogram_quantile does (linear within the bucket), in milliseconds
+
+The figures count since this gateway process started; each replica has its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import msgspec
+from prometheus_client import Counter, Histogram
+
+from observability.metrics import ServingMetrics
+
+OK_OUTCOMES = frozenset({"ok", "disconnected"})  # a client leaving is not the version's fault
+
+
+class VersionFigures(msgspec.Struct, frozen=True, kw_only=True):
+    id: str  # the version id, as responses name it
+    requests: int
+    errors: int  # finished with an outcome other than ok or the client disconnecting
+    outcomes: dict[str, int]
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    e2e_p50_ms: float | None
+    e2e_p99_ms: float | None
+    output_tokens: int
+
+
+def version_figures(metrics: ServingMetrics, version_ids: Iterable[str]) -> list[VersionFigures]:
+    outcomes = _outcomes(metrics.requests)
+    ttft, itl, e2e = _buckets(metrics.ttft), _buckets(metrics.itl), _buckets(metrics.e2e)
+    tokens = _token_sums(metrics)
+    figures = []
+    for vid in version_ids:
+        by_outcome = outcomes.get(vid, {})
+        figures.append(VersionFigures(
+            id=vid,
+            requests=sum(by_outcome.values()),
+            errors=sum(n for o, n in by_outcome.items() if o not in OK_OUTCOMES),
+            outcomes=by_outcome,
+            ttft_p50_ms=_quantile_ms(ttft.get(vid), 0.5), ttft_p99_ms=_quantile_ms(ttft.get(vid), 0.99),
+            itl_p50_ms=_quantile_ms(itl.get(vid), 0.5), itl_p99_ms=_quantile_ms(itl.get(vid), 0.99),
+            e2e_p50_ms=_quantile_ms(e2e.get(vid), 0.5), e2e_p99_ms=_quantile_ms(e2e.get(vid), 0.99),
+            output_tokens=tokens.get(vid, 0),
+        ))
+    return figures
+
+
+def _outcomes(counter: Counter) -> dict[str, dict[str, int]]:
+    found: dict[str, dict[str, int]] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                per = found.setdefault(sample.labels["model"], {})
+                status = sample.labels["status"]
+                per[status] = per.get(status, 0) + int(sample.value)
+    return found
+
+
+def _token_sums(metrics: ServingMetrics) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for family in metrics.tenant_tokens.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.labels["token_type"] == "output":
+                model = sample.labels["model"]
+                found[model] = found.get(model, 0) + int(sample.value)
+    return found
+
+
+def _buckets(histogram: Histogram) -> dict[str, dict[float, float]]:
+    """model -> {upper bound: cumulative count}, summed over the other labels."""
+    found: dict[str, dict[float, float]] = {}
+    for family in histogram.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                per = found.setdefault(sample.labels["model"], {})
+                le = float(sample.labels["le"])
+                per[le] = per.get(le, 0.0) + sample.value
+    return found
+
+
+def _quantile_ms(cumulative: dict[float, float] | None, q: float) -> float | None:
+    if not cumulative:
+        return None
+    bounds = sorted(cumulative)
+    total = cumulative[bounds[-1]]  # the +Inf bucket: every observation
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = cumulative[bound]
+        if count >= rank:
+            if math.isinf(bound):  # past the last finite bucket: its bound is the best we know
+                return round(lower * 1000, 3)
+            inside = count - below
+            fraction = (rank - below) / inside if inside > 0 else 1.0
+            return round((lower + (bound - lower) * fraction) * 1000, 3)
+        lower, below = bound, count
+    return round(lower * 1000, 3)
