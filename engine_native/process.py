@@ -110,6 +110,8 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
             send(EngineFailed(f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
+    finally:
+        engine.close()  # a tensor-parallel engine's worker ranks go with it
 
 
 def _add(engine: LLMEngine, msg: AddRequest, send: Callable[[EngineMessage], None]) -> None:

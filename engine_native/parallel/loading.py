@@ -1,0 +1,139 @@
+"""Load one tensor-parallel rank's slice of a model, a tensor at a time.
+
+A rank never holds the whole model: a Hugging Face folder is read through safetensors' slices
+(only the rows/columns of this rank leave the disk); a GGUF file is dequantized one tensor at a
+time and sliced at once, so the peak is the largest single tensor. Names, the q/k un-permutation
+of llama.cpp files and the config come from the single-process loaders.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors import safe_open
+
+from engine_native.config import ModelConfig
+from engine_native.model.base import LoadedModel, ModelLoadError, ModelNotFoundError
+from engine_native.model.gguf_loader import (
+    ARCHITECTURES,
+    SUPPORTED_TENSOR_TYPES,
+    _llama3_from_rope_freqs,
+    config_from_metadata,
+    gguf_name_to_hf,
+    read_metadata,
+    unpermute_qk,
+)
+from engine_native.model.gguf_tokenizer import tokenizer_from_gguf
+from engine_native.model.hf_loader import _read_json, config_from_hf, load_hf_tokenizer
+from engine_native.parallel.comm import CollectiveClock
+from engine_native.parallel.sharding import ShardPlan, SliceReader
+from engine_native.parallel.tp_model import TensorParallelLlama
+
+
+def load_shard(
+    path: str, dtype: torch.dtype, tp: int, rank: int, clock: CollectiveClock, with_tokenizer: bool
+) -> LoadedModel:
+    """Rank `rank`'s `TensorParallelLlama`; `LoadedModel.config` is the full model's."""
+    if path.lower().endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return _load_gguf_shard(path, dtype, tp, rank, clock, with_tokenizer)
+    if os.path.isdir(path):
+        return _load_hf_shard(path, dtype, tp, rank, clock, with_tokenizer)
+    raise ModelNotFoundError(f"model path not found: {path}")
+
+
+def _build(
+    cfg: ModelConfig, shards: dict[str, torch.Tensor], dtype: torch.dtype, plan: ShardPlan, clock: CollectiveClock
+) -> TensorParallelLlama:
+    if "lm_head.weight" not in shards and not cfg.tie_word_embeddings and plan.rank == 0:
+        raise ModelLoadError("no lm_head.weight and tie_word_embeddings is false")
+    return TensorParallelLlama(plan.local_config, shards, dtype, plan.rank, clock)
+
+
+def _load_hf_shard(
+    path: str, dtype: torch.dtype, tp: int, rank: int, clock: CollectiveClock, with_tokenizer: bool
+) -> LoadedModel:
+    raw = _read_json(os.path.join(path, "config.json"))
+    cfg = config_from_hf(raw, path)
+    plan = ShardPlan(cfg, tp, rank)
+    shards: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(f, framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 -- safe_open is not a dict
+                if plan.keeps(name):
+                    shards[name] = plan.shard(name, _safetensors_reader(handle.get_slice(name))).to(dtype)
+    if not shards:
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+    tokenizer = load_hf_tokenizer(path, raw) if with_tokenizer else None
+    model = _build(cfg, shards, dtype, plan, clock)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, dtype=dtype, source=path)
+
+
+def _safetensors_reader(sl: Any) -> SliceReader:
+    def read(rows: slice, cols: slice) -> torch.Tensor:
+        t: torch.Tensor = sl[rows] if len(sl.get_shape()) == 1 else sl[rows, cols]
+        return t
+
+    return read
+
+
+def _tensor_reader(t: torch.Tensor) -> SliceReader:
+    return lambda rows, cols: t[rows] if t.dim() == 1 else t[rows, cols]
+
+
+def _gguf_tensors(reader: GGUFReader, cfg: ModelConfig, permuted: bool) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, dequantized fp32 array) one at a time, q/k un-permuted; names are HF's, or 'rope_freqs'."""
+    for t in reader.tensors:
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise ModelLoadError(f"tensor {t.name} has unsupported type {t.tensor_type.name}")
+        hf_name = "rope_freqs" if t.name == "rope_freqs.weight" else gguf_name_to_hf(t.name)
+        if hf_name is None:
+            continue
+        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if permuted and ".attn_q." in t.name:
+            array = unpermute_qk(array, cfg.num_heads)
+        elif permuted and ".attn_k." in t.name:
+            array = unpermute_qk(array, cfg.num_kv_heads)
+        yield hf_name, array
+
+
+def _load_gguf_shard(
+    path: str, dtype: torch.dtype, tp: int, rank: int, clock: CollectiveClock, with_tokenizer: bool
+) -> LoadedModel:
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    meta = read_metadata(reader)
+    cfg = config_from_metadata(meta, path)
+    permuted = ARCHITECTURES[meta["general.architecture"]][1]
+    names = {gguf_name_to_hf(t.name) for t in reader.tensors}
+    updates: dict[str, Any] = {"tie_word_embeddings": "lm_head.weight" not in names}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is not None and int(embed.shape[-1]) != cfg.vocab_size:  # gguf shapes are (cols, rows)
+        updates["vocab_size"] = int(embed.shape[-1])
+    cfg = replace(cfg, **updates)
+    plan = ShardPlan(cfg, tp, rank)
+    shards: dict[str, torch.Tensor] = {}
+    for name, array in _gguf_tensors(reader, cfg, permuted):
+        if name == "rope_freqs":
+            cfg = replace(cfg, rope_scaling=_llama3_from_rope_freqs(cfg, array, path))
+            plan = ShardPlan(cfg, tp, rank)
+        elif plan.keeps(name):
+            if not array.flags.writeable:  # F32 tensors are read-only views of the memory-mapped file
+                array = array.copy()
+            full = torch.from_numpy(np.ascontiguousarray(array))
+            # A copy, so that the full tensor is freed before the next one is read.
+            shards[name] = plan.shard(name, _tensor_reader(full)).to(dtype).clone(memory_format=torch.contiguous_format)
+    tokenizer = tokenizer_from_gguf(meta) if with_tokenizer and "tokenizer.ggml.tokens" in meta else None
+    model = _build(cfg, shards, dtype, plan, clock)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, dtype=dtype, source=path)

@@ -1,0 +1,170 @@
+"""Tensor parallelism on CPU (gloo): the same greedy tokens as one process, and one death for all.
+
+Every engine here runs real worker processes joined by torch.distributed over TCP. The runs on a
+tiny random Llama push the scheduler through continuous batching (requests added mid-run),
+chunked prefill and preemption, and count that each happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM as HFLlama
+
+from engine_native.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from engine_native.engine import LLMEngine
+from engine_native.errors import EngineDeadError
+from engine_native.model.bundled import bundled_model_path
+from engine_native.parallel.sharding import HeadLayout
+from engine_native.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp"), [(4, 2, 2), (9, 3, 2), (9, 3, 3), (4, 1, 2), (8, 8, 3)])
+def test_every_head_is_computed_once_and_local_groups_are_uniform(heads: int, kv_heads: int, tp: int) -> None:
+    g = heads // kv_heads
+    layouts = [HeadLayout.for_rank(heads, kv_heads, tp, r) for r in range(tp)]
+    real = [h for layout in layouts for h in layout.q_heads if h is not None]
+    assert sorted(real) == list(range(heads))
+    for layout in layouts:
+        local_g = len(layout.q_heads) // len(layout.kv_heads)
+        assert len(layout.q_heads) == local_g * len(layout.kv_heads)
+        for slot, h in enumerate(layout.q_heads):  # slot's local KV head is the global KV head of h
+            assert h is None or layout.kv_heads[slot // local_g] == h // g
+
+
+def test_smollm2_kv_heads_replicated_at_tp2() -> None:
+    r0, r1 = (HeadLayout.for_rank(9, 3, 2, r) for r in range(2))
+    assert (r0.q_heads, r0.kv_heads) == ((0, 1, 2, 3, 4, None), (0, 1))
+    assert (r1.q_heads, r1.kv_heads) == ((5, None, None, 6, 7, 8), (1, 2))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )
+    HFLlama(cfg).eval().save_pretrained(path)
+    return str(Path(path))
+
+
+def _config(path: str, tp: int, **cache: int) -> EngineConfig:
+    return EngineConfig(
+        model_path=path,
+        dtype="float32",
+        quantized_max_rows=0,
+        num_threads=1,
+        cache=CacheConfig(block_size=4, enable_prefix_caching=False, **cache),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, long_prefill_token_threshold=8),
+        parallel=ParallelConfig(tensor_parallel_size=tp),
+    )
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run_staggered(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """Half the prompts at once, the rest one per step while those run (continuous batching)."""
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    pending = list(enumerate(prompts))
+    for i, p in pending[: len(prompts) // 2]:
+        engine.add_request(f"r{i}", p, GREEDY)
+    pending = pending[len(prompts) // 2 :]
+    while engine.has_unfinished or pending:
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", p, GREEDY)
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        engine.kv_cache.check_integrity()
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_tp2_greedy_tokens_equal_tp1_under_batching_chunking_and_preemption(tiny_llama: str) -> None:
+    prompts = [_prompt(n, seed) for seed, n in enumerate([5, 30, 17, 40, 9, 23])]
+    results, counts = {}, {}
+    for tp in (1, 2):
+        engine = LLMEngine(_config(tiny_llama, tp, num_blocks=24), progress=False)
+        try:
+            results[tp] = _run_staggered(engine, prompts)
+            stats = engine.stats()
+            counts[tp] = (stats.num_prefill_chunks, stats.num_preemptions)
+            if tp == 2:
+                assert stats.collective_s_total > 0 and stats.forward_s_total > stats.collective_s_total
+        finally:
+            engine.close()
+    assert results[2] == results[1]
+    assert all(len(r) == GREEDY.max_tokens for r in results[1])
+    chunks, preemptions = counts[2]
+    assert chunks > 0 and preemptions > 0, counts
+
+
+def test_tp2_on_bundled_smollm2_with_replicated_kv_heads() -> None:
+    path = bundled_model_path()
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    results = {}
+    for tp in (1, 2):
+        engine = LLMEngine(_config(path, tp, num_blocks=64), progress=False)
+        try:
+            assert engine.tokenizer is not None
+            prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+            results[tp] = engine.generate(prompts, params)
+        finally:
+            engine.close()
+    assert results[2] == results[1]
+
+
+async def _stream_until_rank_dies(path: str) -> tuple[int, BaseException | None, bool]:
+    from engine_native.client import AsyncEngineClient
+    from engine_native.messages import AddRequest, RequestOutput
+
+    client = AsyncEngineClient(_config(path, 2, num_blocks=64), progress=False)
+    await client.start(timeout_s=240)
+    try:
+        stream = client.add(AddRequest(
+            request_id="victim", prompt_token_ids=_prompt(8, 1), sampling_params=SamplingParams(
+                max_tokens=200, temperature=0.0, ignore_eos=True),
+        ))
+        tokens, error = 0, None
+        while True:
+            item = await asyncio.wait_for(stream.get(), 60)
+            if isinstance(item, BaseException):
+                error = item
+                break
+            assert isinstance(item, RequestOutput)
+            tokens += len(item.new_token_ids)
+            if tokens == 3:
+                _kill_worker_of(client.pid())
+            if item.finish_reason is not None:
+                break
+        await asyncio.wait_for(client.wait_dead(), 60)
+        return tokens, error, client.alive
+    finally:
+        await client.shutdown()
+
+
+def _kill_worker_of(engine_pid: int | None) -> None:
+    assert engine_pid is not None
+    children = Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
+    workers = [int(c) for c in children if b"engine_native.parallel.worker" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(workers) == 1
+    os.kill(workers[0], 9)
+
+
+def test_killing_a_rank_mid_stream_kills_the_engine_and_ends_its_requests_with_an_error(tiny_llama: str) -> None:
+    tokens, error, alive = asyncio.run(_stream_until_rank_dies(tiny_llama))
+    assert 3 <= tokens < 200
+    assert isinstance(error, EngineDeadError), error
+    assert not alive
