@@ -1,7 +1,7 @@
 """Which slice of every weight one tensor-parallel rank holds.
 
 Attention heads are split into `tp` contiguous ranges of query heads (uneven when they do not
-divide: SmolLM2's 9 heads at tp = 2 are 5 + 4). A rank holds every KV head one of its query heads
+divide: SmolLM2's 9 heads at tp = 2 are 4 + 5). A rank holds every KV head one of its query heads
 reads, so a KV head whose group straddles two ranks is replicated on both (its K/V computed and
 cached twice). Locally the heads must keep one group size (the paged-attention kernels map query
 head h to KV head h // g), so a group with fewer local query heads than the largest is padded with
@@ -9,8 +9,8 @@ zero heads: a zero query row and a zero output column, which add exactly nothing
 
     9 heads, 3 KV heads (g = 3), tp = 2:
         global heads   0 1 2 | 3 4 5 | 6 7 8        KV heads 0 | 1 | 2
-        rank 0         0 1 2 | 3 4 .                KV 0, 1    (. = zero pad head)
-        rank 1                 5 . . | 6 7 8        KV 1, 2    (KV 1 replicated)
+        rank 0         0 1 2 | 3 . .                KV 0, 1    (. = zero pad head)
+        rank 1                 4 5 . | 6 7 8        KV 1, 2    (KV 1 replicated)
 
 The MLP's intermediate columns are split in contiguous ranges: gate/up rows (column-parallel),
 down columns (row-parallel, followed by an all-reduce). Norms and the embedding are replicated;

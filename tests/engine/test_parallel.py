@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,8 +44,8 @@ def test_every_head_is_computed_once_and_local_groups_are_uniform(heads: int, kv
 
 def test_smollm2_kv_heads_replicated_at_tp2() -> None:
     r0, r1 = (HeadLayout.for_rank(9, 3, 2, r) for r in range(2))
-    assert (r0.q_heads, r0.kv_heads) == ((0, 1, 2, 3, 4, None), (0, 1))
-    assert (r1.q_heads, r1.kv_heads) == ((5, None, None, 6, 7, 8), (1, 2))
+    assert (r0.q_heads, r0.kv_heads) == ((0, 1, 2, 3, None, None), (0, 1))
+    assert (r1.q_heads, r1.kv_heads) == ((4, 5, None, 6, 7, 8), (1, 2))
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +135,10 @@ async def _stream_until_rank_dies(path: str) -> tuple[int, BaseException | None,
     await client.start(timeout_s=240)
     try:
         stream = client.add(AddRequest(
-            request_id="victim", prompt_token_ids=_prompt(8, 1), sampling_params=SamplingParams(
-                max_tokens=200, temperature=0.0, ignore_eos=True),
+            request_id="victim", prompt_token_ids=_prompt(8, 1), arrival_time=time.time(),
+            sampling_params=SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True),
         ))
+        client.set_fault(step_delay_s=0.05)  # slow steps, so that the kill lands mid-stream
         tokens, error = 0, None
         while True:
             item = await asyncio.wait_for(stream.get(), 60)
@@ -146,7 +148,7 @@ async def _stream_until_rank_dies(path: str) -> tuple[int, BaseException | None,
             assert isinstance(item, RequestOutput)
             tokens += len(item.new_token_ids)
             if tokens == 3:
-                _kill_worker_of(client.pid())
+                _kill_worker_of(client.pid)
             if item.finish_reason is not None:
                 break
         await asyncio.wait_for(client.wait_dead(), 60)
