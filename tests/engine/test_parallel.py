@@ -8,8 +8,11 @@ chunked prefill and preemption, and count that each happened.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -112,19 +115,26 @@ def test_tp2_greedy_tokens_equal_tp1_under_batching_chunking_and_preemption(tiny
     assert chunks > 0 and preemptions > 0, counts
 
 
-def test_tp2_on_bundled_smollm2_with_replicated_kv_heads() -> None:
-    path = bundled_model_path()
-    params = SamplingParams(max_tokens=6, temperature=0.0)
-    results = {}
-    for tp in (1, 2):
-        engine = LLMEngine(_config(path, tp, num_blocks=64), progress=False)
-        try:
-            assert engine.tokenizer is not None
-            prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
-            results[tp] = engine.generate(prompts, params)
-        finally:
-            engine.close()
-    assert results[2] == results[1]
+def _smollm2_greedy(tp: int) -> list[list[int]]:
+    engine = LLMEngine(_config(bundled_model_path(), tp, num_blocks=64), progress=False)
+    try:
+        assert engine.tokenizer is not None
+        prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
+        return engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2_tp1() -> list[list[int]]:
+    return _smollm2_greedy(1)
+
+
+# SmolLM2-135M: 9 heads, 3 KV heads. At TP 2 the KV head of the middle group is on both ranks and
+# each rank pads a group with zero heads; at TP 3 each rank holds one whole group.
+@pytest.mark.parametrize("tp", [2, 3])
+def test_bundled_smollm2_greedy_tokens_equal_tp1(smollm2_tp1: list[list[int]], tp: int) -> None:
+    assert _smollm2_greedy(tp) == smollm2_tp1
 
 
 async def _stream_until_rank_dies(path: str) -> tuple[int, BaseException | None, bool]:
@@ -170,3 +180,55 @@ def test_killing_a_rank_mid_stream_kills_the_engine_and_ends_its_requests_with_a
     assert 3 <= tokens < 200
     assert isinstance(error, EngineDeadError), error
     assert not alive
+
+
+@pytest.fixture
+def network_namespace() -> Iterator[tuple[str, str, str, str]]:
+    """A network namespace joined to this one by a veth pair: (namespace, our address, our interface,
+    its interface). Skips where namespaces cannot be made (not root, no `ip`)."""
+    tag = f"{os.getpid() % 100000}"
+    ns, ours, theirs = f"sluicetp{tag}", f"vtp{tag}a", f"vtp{tag}b"
+    subnet = f"10.213.{os.getpid() % 250}"
+    setup = [
+        ["ip", "netns", "add", ns],
+        ["ip", "link", "add", ours, "type", "veth", "peer", "name", theirs],
+        ["ip", "link", "set", theirs, "netns", ns],
+        ["ip", "addr", "add", f"{subnet}.1/24", "dev", ours],
+        ["ip", "link", "set", ours, "up"],
+        ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", theirs],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", theirs, "up"],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"],
+    ]
+    try:
+        for cmd in setup:
+            if subprocess.run(cmd, capture_output=True, check=False).returncode != 0:
+                pytest.skip(f"cannot build a network namespace here ({' '.join(cmd)} failed)")
+        yield ns, f"{subnet}.1", ours, theirs
+    finally:
+        subprocess.run(["ip", "link", "del", ours], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+def test_ranks_in_separate_network_namespaces_talk_over_a_veth_link(
+    tiny_llama: str, network_namespace: tuple[str, str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ns, address, ours, theirs = network_namespace
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", ours)  # rank 0 (this process) sends through the veth
+    prompts = [_prompt(n, seed) for seed, n in enumerate([6, 19, 11])]
+    reference = LLMEngine(_config(tiny_llama, 1), progress=False).generate(prompts, GREEDY)
+    parallel = ParallelConfig(
+        tensor_parallel_size=2,
+        master_addr=address,
+        worker_launch_prefix=(("ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={theirs}"),),
+    )
+    config = dataclasses.replace(_config(tiny_llama, 2), parallel=parallel)
+    sent_before = int(Path(f"/sys/class/net/{ours}/statistics/tx_bytes").read_text())
+    engine = LLMEngine(config, progress=False)
+    try:
+        assert engine.generate(prompts, GREEDY) == reference
+        collective_bytes = engine.stats().collective_bytes_total
+    finally:
+        engine.close()
+    sent = int(Path(f"/sys/class/net/{ours}/statistics/tx_bytes").read_text()) - sent_before
+    # Every element of rank 0's all-reduce input reaches rank 1, so rank 0 sends at least the payload.
+    assert sent >= collective_bytes > 0

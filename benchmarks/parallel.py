@@ -1,0 +1,95 @@
+"""`sluice bench parallel`: a step's time split into compute and communication at TP = 1, 2, 3.
+
+Drives `LLMEngine` in this process on the bundled SmolLM2 (fp32, dense path at every size so the
+sizes compare like for like) with the worker ranks as real processes over gloo. For each size it
+times a prefill step of `--prefill` tokens and the median of pure decode steps of `--batch`
+sequences; rank 0's collective clock (the step broadcast and the all-reduces, waits for slower
+ranks included) gives the communication part, and bytes / seconds in collectives the effective
+gloo rate that docs/parallelism.md calibrates with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+DECODE_STEPS = 12
+
+
+@dataclass
+class StepSplit:
+    step_s: float
+    collective_s: float
+    collective_bytes: int
+    collectives: int
+
+    @property
+    def compute_s(self) -> float:
+        return self.step_s - self.collective_s
+
+
+def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("parallel", help="tensor-parallel step time split into compute and communication")
+    p.add_argument("--sizes", default="1,2,3", help="tensor-parallel sizes, comma-separated")
+    p.add_argument("--batch", type=int, default=8, help="sequences in a decode step")
+    p.add_argument("--prefill", type=int, default=256, help="tokens of the timed prefill step")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.set_defaults(func=run)
+
+
+def _measure(tp: int, args: argparse.Namespace) -> tuple[StepSplit, StepSplit]:
+    from engine_native.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+    from engine_native.engine import LLMEngine
+    from engine_native.model.bundled import bundled_model_path
+    from engine_native.sampling_params import SamplingParams
+
+    config = EngineConfig(
+        model_path=bundled_model_path(), dtype="float32", quantized_max_rows=0, num_threads=args.threads,
+        cache=CacheConfig(num_blocks=512, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=args.batch + 1, max_num_batched_tokens=max(512, args.prefill),
+                                  long_prefill_token_threshold=max(512, args.prefill)),
+        parallel=ParallelConfig(tensor_parallel_size=tp),
+    )
+    engine = LLMEngine(config, progress=False)
+
+    def timed_step() -> StepSplit:
+        clock = engine.group.clock if engine.group else None
+        before = (clock.seconds, clock.bytes, clock.calls) if clock else (0.0, 0, 0)
+        t0 = time.perf_counter()
+        engine.step()
+        step = time.perf_counter() - t0
+        after = (clock.seconds, clock.bytes, clock.calls) if clock else (0.0, 0, 0)
+        return StepSplit(step, after[0] - before[0], after[1] - before[1], after[2] - before[2])
+
+    try:
+        params = SamplingParams(max_tokens=DECODE_STEPS + 4, temperature=0.0, ignore_eos=True)
+        engine.add_request("prefill", [1000 + i % 5000 for i in range(args.prefill)], SamplingParams(max_tokens=1))
+        prefill = timed_step()
+        for i in range(args.batch):
+            engine.add_request(f"d{i}", [2000 + 7 * i + j for j in range(32)], params)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
+                or engine.scheduler.waiting:
+            engine.step()
+        engine.step()
+        decodes = [timed_step() for _ in range(DECODE_STEPS)]
+        decodes.sort(key=lambda s: s.step_s)
+        return prefill, decodes[len(decodes) // 2]
+    finally:
+        engine.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(f"SmolLM2-135M fp32, gloo on this host, {args.threads} thread(s) per rank; "
+          f"decode step = median of {DECODE_STEPS} steps of {args.batch} sequences")
+    print(f"{'TP':>3} {'step':>7} {'tokens':>6} {'step ms':>9} {'compute ms':>11} {'comm ms':>8} "
+          f"{'comm %':>7} {'colls':>6} {'KiB':>8} {'MB/s':>7}")
+    for tp in sizes:
+        prefill, decode = _measure(tp, args)
+        for name, tokens, s in (("prefill", args.prefill, prefill), ("decode", args.batch, decode)):
+            rate = s.collective_bytes / s.collective_s / 1e6 if s.collective_s else 0.0
+            print(f"{tp:>3} {name:>7} {tokens:>6} {s.step_s * 1e3:>9.2f} {s.compute_s * 1e3:>11.2f} "
+                  f"{s.collective_s * 1e3:>8.2f} {100 * s.collective_s / s.step_s:>6.1f}% {s.collectives:>6} "
+                  f"{s.collective_bytes / 1024:>8.1f} {rate:>7.1f}")
+    return 0
