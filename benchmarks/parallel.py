@@ -13,8 +13,11 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+from typing import Any
 
 DECODE_STEPS = 12
+PROBE_SIZES = (1024, 16 * 1024, 256 * 1024, 4 * 1024 * 1024)  # bytes of one all-reduce (fp32)
+PROBE_REPEATS = 20
 
 
 @dataclass
@@ -35,6 +38,7 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--batch", type=int, default=8, help="sequences in a decode step")
     p.add_argument("--prefill", type=int, default=256, help="tokens of the timed prefill step")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--probe-ranks", type=int, default=2, help="ranks of the bare all-reduce probe (0: skip)")
     p.set_defaults(func=run)
 
 
@@ -79,7 +83,53 @@ def _measure(tp: int, args: argparse.Namespace) -> tuple[StepSplit, StepSplit]:
         engine.close()
 
 
+def _probe_rank(rank: int, world: int, port: int, out: Any) -> None:
+    """One rank of the bare all-reduce probe: the median time of each size, reported by rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    medians = []
+    for size in PROBE_SIZES:
+        t = torch.ones(size // 4)
+        dist.all_reduce(t)  # warm-up: connections, buffers
+        times = []
+        for _ in range(PROBE_REPEATS):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        medians.append(sorted(times)[len(times) // 2])
+    if rank == 0:
+        out.put(medians)
+    dist.destroy_process_group()
+
+
+def _probe(world: int) -> list[float]:
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_probe_rank, args=(r, world, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    medians: list[float] = out.get(timeout=300)
+    for p in procs:
+        p.join()
+    return medians
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.probe_ranks > 1:
+        medians = _probe(args.probe_ranks)
+        print(f"bare gloo all-reduce over loopback, {args.probe_ranks} ranks, median of {PROBE_REPEATS}:")
+        for size, m in zip(PROBE_SIZES, medians, strict=True):
+            print(f"  {size / 1024:>8.0f} KiB  {m * 1e6:>9.0f} us  {size / m / 1e6:>8.1f} MB/s (payload)")
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"SmolLM2-135M fp32, gloo on this host, {args.threads} thread(s) per rank; "
           f"decode step = median of {DECODE_STEPS} steps of {args.batch} sequences")
