@@ -76,11 +76,13 @@ class ParallelConfig:
     """How one engine's model is split across processes (engine_native/parallel/, docs/parallelism.md).
 
     Rank 0 is the engine process itself (scheduler, sampling); ranks 1..N-1 are worker processes it
-    starts, each holding 1/N of every layer's heads and MLP columns. The default (1) is the
+    starts, each holding 1/tp of its stage's layers' heads and MLP columns. The defaults (1, 1) are the
     single-process engine, untouched.
     """
 
     tensor_parallel_size: int = 1
+    # Pipeline stages (layers split in contiguous ranges), each a tensor-parallel group of the size above.
+    pipeline_parallel_size: int = 1
     # Where rank 0 listens for the group's rendezvous (torch.distributed TCP store). Port 0: a free port
     # picked at start (one host); several hosts need a fixed address and port reachable from all of them.
     master_addr: str = "127.0.0.1"
@@ -94,7 +96,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

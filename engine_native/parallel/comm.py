@@ -18,6 +18,7 @@ import datetime
 import time
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,12 +46,31 @@ class CollectiveClock:
     bytes: int = 0
     calls: int = 0
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         start = time.perf_counter()
         try:
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=group)
         except RuntimeError as exc:
             raise RankLostError(f"all-reduce failed: {exc}") from exc
+        self._count(start, t)
+        return t
+
+    def isend(self, t: torch.Tensor, dst: int) -> Sent:
+        """Start sending `t` to pipeline rank `dst`; `wait()` on the result before reusing `t`."""
+        start = time.perf_counter()
+        try:
+            work = dist.isend(t, dst)
+        except RuntimeError as exc:
+            raise RankLostError(f"send to rank {dst} failed: {exc}") from exc
+        self._count(start, t)
+        return Sent(self, work, t)
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            dist.recv(t, src)
+        except RuntimeError as exc:
+            raise RankLostError(f"receive from rank {src} failed: {exc}") from exc
         self._count(start, t)
         return t
 
@@ -67,6 +87,23 @@ class CollectiveClock:
         self.seconds += time.perf_counter() - start
         self.bytes += t.numel() * t.element_size()
         self.calls += 1
+
+
+@dataclass
+class Sent:
+    """A send in flight; the tensor is kept alive until it completes."""
+
+    clock: CollectiveClock
+    work: Any
+    tensor: torch.Tensor
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.work.wait()
+        except RuntimeError as exc:
+            raise RankLostError(f"send failed: {exc}") from exc
+        self.clock.seconds += time.perf_counter() - start
 
 
 def init_group(backend: str, addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:

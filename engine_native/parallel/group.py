@@ -38,6 +38,7 @@ from engine_native.parallel.comm import (
     send_step,
 )
 from engine_native.parallel.loading import load_shard
+from engine_native.parallel.placement import Placement
 from engine_native.parallel.worker import WorkerSpec
 from engine_native.runner import BlockTableLookup, ModelRunner
 from engine_native.scheduler import RunnerOutput, SchedulerOutput
@@ -76,11 +77,13 @@ class EngineGroup:
         try:
             cls._join(config, port, workers)
             clock = CollectiveClock()
-            loaded = load_shard(config.model_path, dtype, par.tensor_parallel_size, 0, clock, True)
+            placement = Placement(par.tensor_parallel_size, par.pipeline_parallel_size, 0)
+            loaded = load_shard(config.model_path, dtype, placement, clock, True)
         except BaseException:
             _kill(workers)
             raise
-        log.info("tensor-parallel group of %d ready (rendezvous %s:%d)", par.world_size, par.master_addr, port)
+        log.info("parallel group ready: tp=%d pp=%d (rendezvous %s:%d)", par.tensor_parallel_size,
+                 par.pipeline_parallel_size, par.master_addr, port)
         return cls(config, workers, loaded, clock)
 
     @staticmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -34,37 +34,44 @@ from engine_native.model.gguf_loader import (
 from engine_native.model.gguf_tokenizer import tokenizer_from_gguf
 from engine_native.model.hf_loader import _read_json, config_from_hf, load_hf_tokenizer
 from engine_native.parallel.comm import CollectiveClock
+from engine_native.parallel.placement import Placement
 from engine_native.parallel.sharding import ShardPlan, SliceReader
 from engine_native.parallel.tp_model import TensorParallelLlama
 
 
 def load_shard(
-    path: str, dtype: torch.dtype, tp: int, rank: int, clock: CollectiveClock, with_tokenizer: bool
+    path: str, dtype: torch.dtype, placement: Placement, clock: CollectiveClock, with_tokenizer: bool
 ) -> LoadedModel:
-    """Rank `rank`'s `TensorParallelLlama`; `LoadedModel.config` is the full model's."""
+    """The `TensorParallelLlama` of the rank at `placement`; `LoadedModel.config` is the full model's."""
     if path.lower().endswith(".gguf"):
         if not os.path.isfile(path):
             raise ModelNotFoundError(f"GGUF file not found: {path}")
-        return _load_gguf_shard(path, dtype, tp, rank, clock, with_tokenizer)
+        return _load_gguf_shard(path, dtype, placement, clock, with_tokenizer)
     if os.path.isdir(path):
-        return _load_hf_shard(path, dtype, tp, rank, clock, with_tokenizer)
+        return _load_hf_shard(path, dtype, placement, clock, with_tokenizer)
     raise ModelNotFoundError(f"model path not found: {path}")
+
+
+def _plan(cfg: ModelConfig, placement: Placement) -> ShardPlan:
+    if not 1 <= placement.pp <= cfg.num_layers:
+        raise ModelLoadError(f"pipeline_parallel_size {placement.pp} must be between 1 and the {cfg.num_layers} layers")
+    return ShardPlan(cfg, replace(placement, num_layers=cfg.num_layers))
 
 
 def _build(
     cfg: ModelConfig, shards: dict[str, torch.Tensor], dtype: torch.dtype, plan: ShardPlan, clock: CollectiveClock
 ) -> TensorParallelLlama:
-    if "lm_head.weight" not in shards and not cfg.tie_word_embeddings and plan.rank == 0:
+    if "lm_head.weight" not in shards and not cfg.tie_word_embeddings and plan.placement.rank == 0:
         raise ModelLoadError("no lm_head.weight and tie_word_embeddings is false")
-    return TensorParallelLlama(plan.local_config, shards, dtype, plan.rank, clock)
+    return TensorParallelLlama(plan.local_config, shards, dtype, plan.placement, clock)
 
 
 def _load_hf_shard(
-    path: str, dtype: torch.dtype, tp: int, rank: int, clock: CollectiveClock, with_tokenizer: bool
+    path: str, dtype: torch.dtype, placement: Placement, clock: CollectiveClock, with_tokenizer: bool
 ) -> LoadedModel:
     raw = _read_json(os.path.join(path, "config.json"))
     cfg = config_from_hf(raw, path)
-    plan = ShardPlan(cfg, tp, rank)
+    plan = _plan(cfg, placement)
     shards: dict[str, torch.Tensor] = {}
     for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         with safe_open(f, framework="pt") as handle:
@@ -90,13 +97,16 @@ def _tensor_reader(t: torch.Tensor) -> SliceReader:
     return lambda rows, cols: t[rows] if t.dim() == 1 else t[rows, cols]
 
 
-def _gguf_tensors(reader: GGUFReader, cfg: ModelConfig, permuted: bool) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, dequantized fp32 array) one at a time, q/k un-permuted; names are HF's, or 'rope_freqs'."""
+def _gguf_tensors(
+    reader: GGUFReader, cfg: ModelConfig, permuted: bool, keep: Callable[[str], bool]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, dequantized fp32 array) of the tensors `keep` wants, one at a time, q/k un-permuted; names
+    are HF's, or 'rope_freqs'."""
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             raise ModelLoadError(f"tensor {t.name} has unsupported type {t.tensor_type.name}")
         hf_name = "rope_freqs" if t.name == "rope_freqs.weight" else gguf_name_to_hf(t.name)
-        if hf_name is None:
+        if hf_name is None or (hf_name != "rope_freqs" and not keep(hf_name)):
             continue
         array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if permuted and ".attn_q." in t.name:
@@ -107,7 +117,7 @@ def _gguf_tensors(reader: GGUFReader, cfg: ModelConfig, permuted: bool) -> Itera
 
 
 def _load_gguf_shard(
-    path: str, dtype: torch.dtype, tp: int, rank: int, clock: CollectiveClock, with_tokenizer: bool
+    path: str, dtype: torch.dtype, placement: Placement, clock: CollectiveClock, with_tokenizer: bool
 ) -> LoadedModel:
     try:
         reader = GGUFReader(path)
@@ -122,13 +132,13 @@ def _load_gguf_shard(
     if embed is not None and int(embed.shape[-1]) != cfg.vocab_size:  # gguf shapes are (cols, rows)
         updates["vocab_size"] = int(embed.shape[-1])
     cfg = replace(cfg, **updates)
-    plan = ShardPlan(cfg, tp, rank)
+    plan = _plan(cfg, placement)
     shards: dict[str, torch.Tensor] = {}
-    for name, array in _gguf_tensors(reader, cfg, permuted):
+    for name, array in _gguf_tensors(reader, cfg, permuted, plan.keeps):
         if name == "rope_freqs":
             cfg = replace(cfg, rope_scaling=_llama3_from_rope_freqs(cfg, array, path))
-            plan = ShardPlan(cfg, tp, rank)
-        elif plan.keeps(name):
+            plan = _plan(cfg, placement)
+        else:
             if not array.flags.writeable:  # F32 tensors are read-only views of the memory-mapped file
                 array = array.copy()
             full = torch.from_numpy(np.ascontiguousarray(array))

@@ -13,8 +13,9 @@ zero heads: a zero query row and a zero output column, which add exactly nothing
         rank 1                 4 5 . | 6 7 8        KV 1, 2    (KV 1 replicated)
 
 The MLP's intermediate columns are split in contiguous ranges: gate/up rows (column-parallel),
-down columns (row-parallel, followed by an all-reduce). Norms and the embedding are replicated;
-the LM head is kept by rank 0 only, which alone samples (docs/parallelism.md says why).
+down columns (row-parallel, followed by an all-reduce). Layer norms are replicated, the embedding
+is on every rank of the first pipeline stage, the final norm and LM head on rank 0 only, which
+alone samples (docs/parallelism.md says why); a pipeline stage keeps only its own layers.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine_native.config import ModelConfig
+from engine_native.parallel.placement import Placement
 
 # Reads rows [r0, r1) and columns [c0, c1) of a named full weight (None = all), so that a loader
 # that can slice on disk (safetensors) never materialises the whole tensor.
@@ -57,11 +59,19 @@ class HeadLayout:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Everything rank `rank` of `tp` needs to slice the full model's weights."""
+    """Everything one rank needs to slice the full model's weights."""
 
     config: ModelConfig  # the full model's
-    tp: int
-    rank: int
+    placement: Placement
+
+    @property
+    def tp(self) -> int:
+        return self.placement.tp
+
+    @property
+    def rank(self) -> int:
+        """The rank within the stage's TP group."""
+        return self.placement.tp_rank
 
     @property
     def heads(self) -> HeadLayout:
@@ -79,12 +89,18 @@ class ShardPlan:
         heads = self.heads
         lo, hi = self.mlp_range
         return replace(
-            self.config, num_heads=len(heads.q_heads), num_kv_heads=len(heads.kv_heads), intermediate_size=hi - lo
+            self.config, num_heads=len(heads.q_heads), num_kv_heads=len(heads.kv_heads), intermediate_size=hi - lo,
+            num_layers=len(self.placement.layers),
         )
 
     def keeps(self, name: str) -> bool:
         """Whether this rank holds any of the weight `name` (HF naming)."""
-        return name != "lm_head.weight" or self.rank == 0
+        p = self.placement
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in p.layers
+        if name == "model.embed_tokens.weight":
+            return p.is_first_stage
+        return p.rank == 0  # the final norm and the LM head
 
     def shard(self, name: str, read: SliceReader) -> torch.Tensor:
         """This rank's part of the weight `name`, read through `read`."""

@@ -55,13 +55,15 @@ def run(spec: WorkerSpec) -> None:
         receive_step,
     )
     from engine_native.parallel.loading import load_shard
+    from engine_native.parallel.placement import Placement
 
     par = spec.config.parallel
     torch.set_num_threads(spec.num_threads)
     init_group(par.backend, par.master_addr, spec.master_port, spec.rank, par.world_size, par.timeout_s)
     clock = CollectiveClock()
     dtype = getattr(torch, spec.dtype)
-    loaded = load_shard(spec.config.model_path, dtype, par.tensor_parallel_size, spec.rank, clock, False)
+    placement = Placement(par.tensor_parallel_size, par.pipeline_parallel_size, spec.rank)
+    loaded = load_shard(spec.config.model_path, dtype, placement, clock, False)
     model = loaded.model
     kv_spec = clock.broadcast(torch.empty(3, dtype=torch.int64)).tolist()  # from EngineGroup.runner
     num_blocks, block_size, kv_code = kv_spec
@@ -69,8 +71,8 @@ def run(spec: WorkerSpec) -> None:
     kv = KVCache.allocate(
         local.num_layers, num_blocks, block_size, local.num_kv_heads, local.head_dim, getattr(torch, KV_DTYPE_NAMES[kv_code])
     )
-    log.info("rank %d ready: %d heads, %d KV heads, %d KV blocks", spec.rank, local.num_heads,
-             local.num_kv_heads, num_blocks)
+    log.info("rank %d ready: %d layers, %d heads, %d KV heads, %d KV blocks", spec.rank, local.num_layers,
+             local.num_heads, local.num_kv_heads, num_blocks)
     try:
         with torch.inference_mode():
             while (batch := receive_step(clock)) is not None:

@@ -25,6 +25,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from engine_native.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from engine_native.engine import LLMEngine
 from engine_native.errors import EngineDeadError
+from engine_native.messages import EngineStats
 from engine_native.model.bundled import bundled_model_path
 from engine_native.parallel.sharding import HeadLayout
 from engine_native.sampling_params import SamplingParams
@@ -63,7 +64,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(Path(path))
 
 
-def _config(path: str, tp: int, **cache: int) -> EngineConfig:
+def _config(path: str, tp: int, pp: int = 1, **cache: int) -> EngineConfig:
     return EngineConfig(
         model_path=path,
         dtype="float32",
@@ -71,7 +72,7 @@ def _config(path: str, tp: int, **cache: int) -> EngineConfig:
         num_threads=1,
         cache=CacheConfig(block_size=4, enable_prefix_caching=False, **cache),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, long_prefill_token_threshold=8),
-        parallel=ParallelConfig(tensor_parallel_size=tp),
+        parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
     )
 
 
@@ -96,27 +97,38 @@ def _run_staggered(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
-def test_tp2_greedy_tokens_equal_tp1_under_batching_chunking_and_preemption(tiny_llama: str) -> None:
-    prompts = [_prompt(n, seed) for seed, n in enumerate([5, 30, 17, 40, 9, 23])]
-    results, counts = {}, {}
-    for tp in (1, 2):
-        engine = LLMEngine(_config(tiny_llama, tp, num_blocks=24), progress=False)
-        try:
-            results[tp] = _run_staggered(engine, prompts)
-            stats = engine.stats()
-            counts[tp] = (stats.num_prefill_chunks, stats.num_preemptions)
-            if tp == 2:
-                assert stats.collective_s_total > 0 and stats.forward_s_total > stats.collective_s_total
-        finally:
-            engine.close()
-    assert results[2] == results[1]
-    assert all(len(r) == GREEDY.max_tokens for r in results[1])
-    chunks, preemptions = counts[2]
-    assert chunks > 0 and preemptions > 0, counts
+@pytest.fixture(scope="module")
+def tiny_prompts() -> list[list[int]]:
+    return [_prompt(n, seed) for seed, n in enumerate([5, 30, 17, 40, 9, 23])]
 
 
-def _smollm2_greedy(tp: int) -> list[list[int]]:
-    engine = LLMEngine(_config(bundled_model_path(), tp, num_blocks=64), progress=False)
+def _staggered_run(path: str, prompts: list[list[int]], tp: int, pp: int) -> tuple[list[list[int]], EngineStats]:
+    engine = LLMEngine(_config(path, tp, pp, num_blocks=24), progress=False)
+    try:
+        return _run_staggered(engine, prompts), engine.stats()
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_tp1(tiny_llama: str, tiny_prompts: list[list[int]]) -> list[list[int]]:
+    tokens, _ = _staggered_run(tiny_llama, tiny_prompts, 1, 1)
+    assert all(len(r) == GREEDY.max_tokens for r in tokens)
+    return tokens
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
+def test_greedy_tokens_equal_one_process_under_batching_chunking_and_preemption(
+    tiny_llama: str, tiny_prompts: list[list[int]], tiny_tp1: list[list[int]], tp: int, pp: int
+) -> None:
+    tokens, stats = _staggered_run(tiny_llama, tiny_prompts, tp, pp)
+    assert tokens == tiny_tp1
+    assert stats.num_prefill_chunks > 0 and stats.num_preemptions > 0
+    assert stats.collective_s_total > 0 and stats.forward_s_total > stats.collective_s_total
+
+
+def _smollm2_greedy(tp: int, pp: int = 1) -> list[list[int]]:
+    engine = LLMEngine(_config(bundled_model_path(), tp, pp, num_blocks=64), progress=False)
     try:
         assert engine.tokenizer is not None
         prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
@@ -131,10 +143,10 @@ def smollm2_tp1() -> list[list[int]]:
 
 
 # SmolLM2-135M: 9 heads, 3 KV heads. At TP 2 the KV head of the middle group is on both ranks and
-# each rank pads a group with zero heads; at TP 3 each rank holds one whole group.
-@pytest.mark.parametrize("tp", [2, 3])
-def test_bundled_smollm2_greedy_tokens_equal_tp1(smollm2_tp1: list[list[int]], tp: int) -> None:
-    assert _smollm2_greedy(tp) == smollm2_tp1
+# each rank pads a group with zero heads; at TP 3 each rank holds one whole group; PP 2: 15 + 15 layers.
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (3, 1), (1, 2)])
+def test_bundled_smollm2_greedy_tokens_equal_tp1(smollm2_tp1: list[list[int]], tp: int, pp: int) -> None:
+    assert _smollm2_greedy(tp, pp) == smollm2_tp1
 
 
 async def _stream_until_rank_dies(path: str) -> tuple[int, BaseException | None, bool]:
@@ -232,3 +244,22 @@ def test_ranks_in_separate_network_namespaces_talk_over_a_veth_link(
     sent = int(Path(f"/sys/class/net/{ours}/statistics/tx_bytes").read_text()) - sent_before
     # Every element of rank 0's all-reduce input reaches rank 1, so rank 0 sends at least the payload.
     assert sent >= collective_bytes > 0
+
+
+def test_micro_batches_are_runs_of_whole_sequences_that_keep_every_logits_row() -> None:
+    from engine_native.forward_batch import ForwardBatch
+    from engine_native.parallel.micro_batch import split_micro_batches
+
+    lens = [30, 1, 1, 20]
+    starts = [0, 30, 31, 32]
+    batch = ForwardBatch(
+        input_ids=torch.arange(52), positions=torch.arange(52), slot_mapping=torch.arange(52),
+        query_starts=starts, query_lens=lens, context_lens=[30, 9, 12, 20],
+        block_tables=torch.arange(16).view(4, 4), logits_indices=torch.tensor([30, 31, 51]), block_size=16,
+    )
+    first, second = split_micro_batches(batch, 2)
+    assert (first.query_lens, second.query_lens) == ([30], [1, 1, 20])
+    assert second.query_starts == [0, 1, 2] and second.block_tables.tolist() == batch.block_tables[1:].tolist()
+    assert first.logits_indices.tolist() == [] and second.logits_indices.tolist() == [0, 1, 21]
+    assert torch.equal(torch.cat([first.input_ids, second.input_ids]), batch.input_ids)
+    assert split_micro_batches(batch, 1) == [batch]
