@@ -1,11 +1,12 @@
-"""`sluice bench parallel`: a step's time split into compute and communication at TP = 1, 2, 3.
+"""`sluice bench parallel`: a step's time split into compute and communication at TP = 1, 2, 3 and PP = 2.
 
 Drives `LLMEngine` in this process on the bundled SmolLM2 (fp32, dense path at every size so the
 sizes compare like for like) with the worker ranks as real processes over gloo. For each size it
 times a prefill step of `--prefill` tokens and the median of pure decode steps of `--batch`
-sequences; rank 0's collective clock (the step broadcast and the all-reduces, waits for slower
-ranks included) gives the communication part, and bytes / seconds in collectives the effective
-gloo rate that docs/parallelism.md calibrates with.
+sequences; rank 0's collective clock (the step broadcast, the all-reduces and pipeline sends and
+receives, waits for slower ranks included) gives the communication part. `1x2/1` is PP = 2 without
+micro-batching, to set against `1x2`. A bare all-reduce probe first gives gloo's latency and rate
+here, which docs/parallelism.md calibrates with.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class StepSplit:
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("parallel", help="tensor-parallel step time split into compute and communication")
-    p.add_argument("--sizes", default="1,2,3", help="tensor-parallel sizes, comma-separated")
+    p.add_argument("--layouts", default="1x1,2x1,3x1,1x2,1x2/1",
+                   help="TPxPP[/micro-batches], comma-separated (micro-batches default to PP; /1: none)")
     p.add_argument("--batch", type=int, default=8, help="sequences in a decode step")
     p.add_argument("--prefill", type=int, default=256, help="tokens of the timed prefill step")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -42,8 +44,8 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.set_defaults(func=run)
 
 
-def _measure(tp: int, args: argparse.Namespace) -> tuple[StepSplit, StepSplit]:
-    from engine_native.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+def _measure(layout: str, args: argparse.Namespace) -> tuple[StepSplit, StepSplit]:
+    from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine_native.engine import LLMEngine
     from engine_native.model.bundled import bundled_model_path
     from engine_native.sampling_params import SamplingParams
@@ -53,7 +55,7 @@ def _measure(tp: int, args: argparse.Namespace) -> tuple[StepSplit, StepSplit]:
         cache=CacheConfig(num_blocks=512, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=args.batch + 1, max_num_batched_tokens=max(512, args.prefill),
                                   long_prefill_token_threshold=max(512, args.prefill)),
-        parallel=ParallelConfig(tensor_parallel_size=tp),
+        parallel=_parallel(layout),
     )
     engine = LLMEngine(config, progress=False)
 
@@ -81,6 +83,14 @@ def _measure(tp: int, args: argparse.Namespace) -> tuple[StepSplit, StepSplit]:
         return prefill, decodes[len(decodes) // 2]
     finally:
         engine.close()
+
+
+def _parallel(layout: str) -> Any:
+    from engine_native.config import ParallelConfig
+
+    sizes, _, micro = layout.partition("/")
+    tp, pp = (int(x) for x in sizes.split("x"))
+    return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, micro_batches=int(micro or 0))
 
 
 def _probe_rank(rank: int, world: int, port: int, out: Any) -> None:
@@ -130,16 +140,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"bare gloo all-reduce over loopback, {args.probe_ranks} ranks, median of {PROBE_REPEATS}:")
         for size, m in zip(PROBE_SIZES, medians, strict=True):
             print(f"  {size / 1024:>8.0f} KiB  {m * 1e6:>9.0f} us  {size / m / 1e6:>8.1f} MB/s (payload)")
-    sizes = [int(s) for s in args.sizes.split(",")]
     print(f"SmolLM2-135M fp32, gloo on this host, {args.threads} thread(s) per rank; "
           f"decode step = median of {DECODE_STEPS} steps of {args.batch} sequences")
-    print(f"{'TP':>3} {'step':>7} {'tokens':>6} {'step ms':>9} {'compute ms':>11} {'comm ms':>8} "
-          f"{'comm %':>7} {'colls':>6} {'KiB':>8} {'MB/s':>7}")
-    for tp in sizes:
-        prefill, decode = _measure(tp, args)
+    print(f"{'layout':>7} {'step':>7} {'tokens':>6} {'step ms':>9} {'compute ms':>11} {'comm ms':>8} "
+          f"{'comm %':>7} {'msgs':>5} {'KiB':>8} {'tok/s':>7}")
+    for layout in args.layouts.split(","):
+        prefill, decode = _measure(layout, args)
         for name, tokens, s in (("prefill", args.prefill, prefill), ("decode", args.batch, decode)):
-            rate = s.collective_bytes / s.collective_s / 1e6 if s.collective_s else 0.0
-            print(f"{tp:>3} {name:>7} {tokens:>6} {s.step_s * 1e3:>9.2f} {s.compute_s * 1e3:>11.2f} "
-                  f"{s.collective_s * 1e3:>8.2f} {100 * s.collective_s / s.step_s:>6.1f}% {s.collectives:>6} "
-                  f"{s.collective_bytes / 1024:>8.1f} {rate:>7.1f}")
+            print(f"{layout:>7} {name:>7} {tokens:>6} {s.step_s * 1e3:>9.2f} {s.compute_s * 1e3:>11.2f} "
+                  f"{s.collective_s * 1e3:>8.2f} {100 * s.collective_s / s.step_s:>6.1f}% {s.collectives:>5} "
+                  f"{s.collective_bytes / 1024:>8.1f} {tokens / s.step_s:>7.1f}")
     return 0

@@ -83,6 +83,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # Pipeline stages (layers split in contiguous ranges), each a tensor-parallel group of the size above.
     pipeline_parallel_size: int = 1
+    # Micro-batches a step is cut into for the pipeline (whole sequences each); 0: one per stage, so every
+    # stage has work once the pipeline fills. 1: none (a stage idles while the others compute).
+    micro_batches: int = 0
     # Where rank 0 listens for the group's rendezvous (torch.distributed TCP store). Port 0: a free port
     # picked at start (one host); several hosts need a fixed address and port reachable from all of them.
     master_addr: str = "127.0.0.1"

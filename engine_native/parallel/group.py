@@ -77,7 +77,8 @@ class EngineGroup:
         try:
             cls._join(config, port, workers)
             clock = CollectiveClock()
-            placement = Placement(par.tensor_parallel_size, par.pipeline_parallel_size, 0)
+            placement = Placement(par.tensor_parallel_size, par.pipeline_parallel_size, 0,
+                                  micro_batches=par.micro_batches)
             loaded = load_shard(config.model_path, dtype, placement, clock, True)
         except BaseException:
             _kill(workers)

@@ -1,8 +1,8 @@
 """Load one tensor-parallel rank's slice of a model, a tensor at a time.
 
 A rank never holds the whole model: a Hugging Face folder is read through safetensors' slices
-(only the rows/columns of this rank leave the disk); a GGUF file is dequantized one tensor at a
-time and sliced at once, so the peak is the largest single tensor. Names, the q/k un-permutation
+(only the rows/columns of this rank leave the disk); of a GGUF file only the rank's rows (and
+block-aligned columns) of each tensor are dequantized, one tensor at a time. Names, the q/k un-permutation
 of llama.cpp files and the config come from the single-process loaders.
 """
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 from safetensors import safe_open
 
@@ -93,27 +93,27 @@ def _safetensors_reader(sl: Any) -> SliceReader:
     return read
 
 
-def _tensor_reader(t: torch.Tensor) -> SliceReader:
-    return lambda rows, cols: t[rows] if t.dim() == 1 else t[rows, cols]
+def _gguf_reader(t: Any, unpermute_head_dim: int) -> SliceReader:
+    """Reads a slice of a GGUF tensor, dequantizing only that slice: rows always (rows are output
+    features, whole blocks each), columns too where they fall on block boundaries. q/k rows are
+    un-permuted per head (llama.cpp's permutation stays within a head, and slices are whole heads)."""
+    block, type_size = GGML_QUANT_SIZES[t.tensor_type]
 
+    def read(rows: slice, cols: slice) -> torch.Tensor:
+        raw = t.data[rows]
+        if raw.ndim == 2 and block > 1 and (cols.start, cols.stop) != (None, None):
+            k = raw.shape[1] // type_size * block
+            lo, hi = cols.start or 0, k if cols.stop is None else cols.stop
+            if lo % block == 0 and hi % block == 0:
+                raw, cols = raw[:, lo // block * type_size : hi // block * type_size], slice(None)
+        array = np.asarray(dequantize(raw, t.tensor_type), dtype=np.float32)
+        if unpermute_head_dim:
+            array = unpermute_qk(array, array.shape[0] // unpermute_head_dim)
+        if array.ndim == 2:
+            array = array[:, cols]
+        return torch.from_numpy(np.array(array))  # a copy: owned, writeable, contiguous
 
-def _gguf_tensors(
-    reader: GGUFReader, cfg: ModelConfig, permuted: bool, keep: Callable[[str], bool]
-) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, dequantized fp32 array) of the tensors `keep` wants, one at a time, q/k un-permuted; names
-    are HF's, or 'rope_freqs'."""
-    for t in reader.tensors:
-        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
-            raise ModelLoadError(f"tensor {t.name} has unsupported type {t.tensor_type.name}")
-        hf_name = "rope_freqs" if t.name == "rope_freqs.weight" else gguf_name_to_hf(t.name)
-        if hf_name is None or (hf_name != "rope_freqs" and not keep(hf_name)):
-            continue
-        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if permuted and ".attn_q." in t.name:
-            array = unpermute_qk(array, cfg.num_heads)
-        elif permuted and ".attn_k." in t.name:
-            array = unpermute_qk(array, cfg.num_kv_heads)
-        yield hf_name, array
+    return read
 
 
 def _load_gguf_shard(
@@ -134,16 +134,19 @@ def _load_gguf_shard(
     cfg = replace(cfg, **updates)
     plan = _plan(cfg, placement)
     shards: dict[str, torch.Tensor] = {}
-    for name, array in _gguf_tensors(reader, cfg, permuted, plan.keeps):
-        if name == "rope_freqs":
-            cfg = replace(cfg, rope_scaling=_llama3_from_rope_freqs(cfg, array, path))
-            plan = _plan(cfg, placement)
-        else:
-            if not array.flags.writeable:  # F32 tensors are read-only views of the memory-mapped file
-                array = array.copy()
-            full = torch.from_numpy(np.ascontiguousarray(array))
-            # A copy, so that the full tensor is freed before the next one is read.
-            shards[name] = plan.shard(name, _tensor_reader(full)).to(dtype).clone(memory_format=torch.contiguous_format)
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        array = np.asarray(dequantize(rope_freqs.data, rope_freqs.tensor_type), dtype=np.float32)
+        cfg = replace(cfg, rope_scaling=_llama3_from_rope_freqs(cfg, array, path))
+        plan = _plan(cfg, placement)
+    for t in reader.tensors:
+        name = gguf_name_to_hf(t.name)
+        if name is None or not plan.keeps(name):
+            continue
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise ModelLoadError(f"tensor {t.name} has unsupported type {t.tensor_type.name}")
+        qk = permuted and (".attn_q." in t.name or ".attn_k." in t.name)
+        shards[name] = plan.shard(name, _gguf_reader(t, cfg.head_dim if qk else 0)).to(dtype)
     tokenizer = tokenizer_from_gguf(meta) if with_tokenizer and "tokenizer.ggml.tokens" in meta else None
     model = _build(cfg, shards, dtype, plan, clock)
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, dtype=dtype, source=path)

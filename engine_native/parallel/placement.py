@@ -22,6 +22,11 @@ class Placement:
     pp: int
     rank: int
     num_layers: int = 0  # the whole model's; set by the loader, which reads it
+    micro_batches: int = 0  # a step's pipeline micro-batches; 0: one per stage
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.micro_batches or self.pp
 
     @property
     def world_size(self) -> int:

@@ -102,7 +102,7 @@ class TensorParallelLlama(nn.Module):
             return self._head(self._layers(self._embed(batch), batch, kv_cache)[batch.logits_indices])
         hidden = self.config.hidden_size
         sends = []
-        for mb in split_micro_batches(batch, p.pp):
+        for mb in split_micro_batches(batch, p.num_micro_batches):
             if p.is_first_stage:
                 x = self._embed(mb)
             else:
@@ -118,7 +118,7 @@ class TensorParallelLlama(nn.Module):
             return torch.empty(0)
         rows = [
             self.clock.recv(torch.empty(int(mb.logits_indices.shape[0]), hidden), p.last_stage_head_rank)
-            for mb in split_micro_batches(batch, p.pp)
+            for mb in split_micro_batches(batch, p.num_micro_batches)
         ]
         return self._head(torch.cat(rows))
 

@@ -62,7 +62,8 @@ def run(spec: WorkerSpec) -> None:
     init_group(par.backend, par.master_addr, spec.master_port, spec.rank, par.world_size, par.timeout_s)
     clock = CollectiveClock()
     dtype = getattr(torch, spec.dtype)
-    placement = Placement(par.tensor_parallel_size, par.pipeline_parallel_size, spec.rank)
+    placement = Placement(par.tensor_parallel_size, par.pipeline_parallel_size, spec.rank,
+                          micro_batches=par.micro_batches)
     loaded = load_shard(spec.config.model_path, dtype, placement, clock, False)
     model = loaded.model
     kv_spec = clock.broadcast(torch.empty(3, dtype=torch.int64)).tolist()  # from EngineGroup.runner
