@@ -64,13 +64,13 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(Path(path))
 
 
-def _config(path: str, tp: int, pp: int = 1, **cache: int) -> EngineConfig:
+def _config(path: str, tp: int, pp: int = 1, num_blocks: int = 64) -> EngineConfig:
     return EngineConfig(
         model_path=path,
         dtype="float32",
         quantized_max_rows=0,
         num_threads=1,
-        cache=CacheConfig(block_size=4, enable_prefix_caching=False, **cache),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, long_prefill_token_threshold=8),
         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
     )
