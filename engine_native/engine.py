@@ -165,6 +165,11 @@ class LLMEngine:
         if self.group is not None:
             self.group.close()
 
+    def check_alive(self) -> None:
+        """Raise `RankLostError` when a worker rank of a parallel engine is gone (no-op for one process)."""
+        if self.group is not None:
+            self.group.check_alive()
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work

@@ -100,6 +100,7 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
                     time.sleep(fault.step_delay_s)
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
+                engine.check_alive()  # an idle parallel engine learns of a lost rank here, not at the next request
                 send(engine.stats())
                 last_stats = now
     except (EOFError, BrokenPipeError, OSError):

@@ -199,6 +199,22 @@ async def _stream_until_rank_dies(path: str) -> tuple[int, BaseException | None,
         await client.shutdown()
 
 
+async def _kill_rank_while_idle(path: str) -> str:
+    from engine_native.client import AsyncEngineClient
+
+    client = AsyncEngineClient(_config(path, 2), progress=False)
+    await client.start(timeout_s=240)
+    try:
+        _kill_worker_of(client.pid)
+        return await asyncio.wait_for(client.wait_dead(), 60)
+    finally:
+        await client.shutdown()
+
+
+def test_an_idle_engine_is_reported_dead_when_a_rank_dies(tiny_llama: str) -> None:
+    assert "rank 1 exited" in asyncio.run(_kill_rank_while_idle(tiny_llama))
+
+
 def _kill_worker_of(engine_pid: int | None) -> None:
     assert engine_pid is not None
     children = Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
