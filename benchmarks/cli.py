@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from benchmarks import (
     fleet,
     gateway_overhead,
+    parallel,
     prefix_cache,
     priority,
     ratelimit_admission,
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=_engine, engine_args=[])
     gateway_overhead.add_arguments(sub)
     fleet.add_arguments(sub)
+    parallel.add_arguments(sub)
     priority.add_arguments(sub)
     prefix_cache.add_arguments(sub)
     spike.add_arguments(sub)

@@ -177,6 +177,10 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     step_delay_s: float = 0.0  # injected fault, if any
     stalled_by_fault: bool = False
     restarts: int = 0  # times its engine was restarted after dying
+    # Tensor-parallel engines (0 otherwise), since start: seconds in the forward, and of those in
+    # collectives (engine_native/parallel, docs/parallelism.md).
+    forward_seconds: float = 0.0
+    collective_seconds: float = 0.0
     # Fleet workers (drivers/fleet): where it is, its membership state and incarnation, its circuit.
     address: str | None = None
     state: str | None = None  # "joining" | "ready" | "draining"

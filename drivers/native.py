@@ -39,7 +39,7 @@ from drivers.options import EngineOptions, overrides
 from drivers.supervisor import EngineSupervisor, RestartPolicy
 from engine_native import errors as engine_errors
 from engine_native.client import AsyncEngineClient
-from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine_native.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from engine_native.messages import AddRequest, LogprobEntry, RequestOutput
 from engine_native.messages import FinishReason as EngineFinishReason
 from engine_native.model.base import Tokenizer
@@ -109,6 +109,7 @@ class NativeDriverConfig:
             served_model_name=o.served_model_name or DEFAULT_SERVED_MODEL_NAME,
             cache=cache,
             scheduler=scheduler,
+            parallel=replace(ParallelConfig(), **overrides(tensor_parallel_size=o.tensor_parallel_size)),
             **overrides(dtype=o.dtype, num_threads=o.num_threads, max_model_len=o.max_model_len),
         )
         return cls(

@@ -137,6 +137,8 @@ class NodeRouter:
                 step_delay_s=e.fault[0],
                 stalled_by_fault=e.fault[1],
                 restarts=self.restarts[e.config.node_id],
+                forward_seconds=s.forward_s_total if s else 0.0,
+                collective_seconds=s.collective_s_total if s else 0.0,
             ))
         events = [NodeEvent(ev.time, ev.node, str(ev.kind), ev.reason) for ev in self.monitor.events]
         return NodesReport(nodes, events)

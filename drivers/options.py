@@ -53,6 +53,8 @@ class EngineOptions:
     memory (SLUICE_MODEL_MEMORY_BUDGET, --model-memory-budget; docs/versions.md)."""
     num_engines: int | None = None
     """Engine processes of the native driver, nodes node-0..N-1 (--engines)."""
+    tensor_parallel_size: int | None = None
+    """Processes each engine's model is split across (--tensor-parallel-size; docs/parallelism.md)."""
     node_health: NodeHealthConfig | None = None
     """Sluggish / stalled node detection (the --node-* flags)."""
     restart: RestartPolicy | None = None

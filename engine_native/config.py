@@ -72,6 +72,37 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine's model is split across processes (engine_native/parallel/, docs/parallelism.md).
+
+    Rank 0 is the engine process itself (scheduler, sampling); ranks 1..N-1 are worker processes it
+    starts, each holding 1/tp of its stage's layers' heads and MLP columns. The defaults (1, 1) are the
+    single-process engine, untouched.
+    """
+
+    tensor_parallel_size: int = 1
+    # Pipeline stages (layers split in contiguous ranges), each a tensor-parallel group of the size above.
+    pipeline_parallel_size: int = 1
+    # Micro-batches a step is cut into for the pipeline (whole sequences each); 0: one per stage, so every
+    # stage has work once the pipeline fills. 1: none (a stage idles while the others compute).
+    micro_batches: int = 0
+    # Where rank 0 listens for the group's rendezvous (torch.distributed TCP store). Port 0: a free port
+    # picked at start (one host); several hosts need a fixed address and port reachable from all of them.
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    backend: str = "gloo"  # "gloo" on CPU; "nccl" once the model runs on GPUs
+    # A collective that waits longer than this fails the step (a hung rank); a rank that dies fails it at once.
+    timeout_s: float = 60.0
+    # Command prefix each worker rank is started under, e.g. ["ip", "netns", "exec", "ns1"] (one entry per
+    # worker rank, or one for all); empty: started directly.
+    worker_launch_prefix: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine process needs to start."""
 
@@ -94,3 +125,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     node_id: str = "node-0"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

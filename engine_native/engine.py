@@ -15,6 +15,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from engine_native.sampler import TokenLogprobs, make_generator
 from engine_native.sampling_params import SamplingParams
 from engine_native.scheduler import QueueFullError, Scheduler, TokenUpdate
 from engine_native.sizing import num_kv_blocks
+
+if TYPE_CHECKING:
+    from engine_native.parallel.group import EngineGroup
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,12 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         dtype = parse_dtype(config.dtype)
+        self.group: EngineGroup | None = None
+        if config.parallel.world_size > 1 and loaded is None:
+            from engine_native.parallel.group import EngineGroup  # torch.distributed only when asked for
+
+            self.group = EngineGroup.start(config, dtype, progress)
+            loaded = self.group.loaded
         self.loaded = loaded or load_model(config.model_path, dtype=dtype, progress=progress)
         model_cfg = self.loaded.config
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
@@ -80,10 +90,8 @@ class LLMEngine:
             default_kv_dtype = torch.float32
         kv_dtype = parse_dtype(config.kv_dtype) if config.kv_dtype else default_kv_dtype
         block_size = config.cache.block_size
-        num_blocks = num_kv_blocks(config, model_cfg, kv_dtype, self.max_model_len)
-        kv = KVCache.allocate(
-            model_cfg.num_layers, num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim, kv_dtype
-        )
+        # A tensor-parallel rank's pool holds only its own KV heads (model.config is the rank's slice).
+        num_blocks = num_kv_blocks(config, self.loaded.model.config, kv_dtype, self.max_model_len)
         self.kv_cache = KVCacheManager(
             num_blocks,
             block_size,
@@ -91,7 +99,13 @@ class LLMEngine:
             share_prefix_across_tenants=config.cache.share_prefix_across_tenants,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
-        self.runner = ModelRunner(self.loaded.model, kv, block_size)
+        if self.group is not None:
+            self.runner: ModelRunner = self.group.runner(num_blocks, block_size, kv_dtype)
+        else:
+            kv = KVCache.allocate(
+                model_cfg.num_layers, num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim, kv_dtype
+            )
+            self.runner = ModelRunner(self.loaded.model, kv, block_size)
         self.model_name = config.served_model_name or model_cfg.name
         self._tracked: dict[str, _Tracked] = {}
         self._eos = frozenset(self.tokenizer.eos_token_ids) if self.tokenizer else frozenset()
@@ -150,6 +164,16 @@ class LLMEngine:
             if request is not None and tracked is not None:
                 outputs.append(self._final_output(request, [], "", None))
         return outputs
+
+    def close(self) -> None:
+        """Stop the worker ranks of a tensor-parallel engine (nothing to do for a single process)."""
+        if self.group is not None:
+            self.group.close()
+
+    def check_alive(self) -> None:
+        """Raise `RankLostError` when a worker rank of a parallel engine is gone (no-op for one process)."""
+        if self.group is not None:
+            self.group.check_alive()
 
     @property
     def has_unfinished(self) -> bool:
@@ -283,6 +307,9 @@ class LLMEngine:
             prefill_tokens_per_s=sum(w.prompt for w in busy) / busy_s if busy_s > 0 else 0.0,
             max_waiting=self.config.scheduler.max_waiting,
             max_waiting_tokens=self.config.scheduler.max_waiting_tokens,
+            forward_s_total=self.group.forward_s if self.group else 0.0,
+            collective_s_total=self.group.clock.seconds if self.group else 0.0,
+            collective_bytes_total=self.group.clock.bytes if self.group else 0,
         )
 
     # ----- convenience for tests and benchmarks -----------------------------------------

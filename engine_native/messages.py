@@ -133,6 +133,12 @@ class EngineStats(msgspec.Struct, tag="stats", kw_only=True):
     prefill_tokens_per_s: float = 0.0
     max_waiting: int = 0
     max_waiting_tokens: int | None = None
+    # Tensor-parallel engines only (0 otherwise), since start, on rank 0: seconds in the runner (the
+    # forward, its collectives and sampling) and, of those, in collectives (the step broadcast and the
+    # all-reduces, waits for slower ranks included): compute = forward - collective.
+    forward_s_total: float = 0.0
+    collective_s_total: float = 0.0
+    collective_bytes_total: int = 0
 
 
 class EngineReady(msgspec.Struct, tag="ready", kw_only=True):

@@ -100,6 +100,7 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
                     time.sleep(fault.step_delay_s)
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
+                engine.check_alive()  # an idle parallel engine learns of a lost rank here, not at the next request
                 send(engine.stats())
                 last_stats = now
     except (EOFError, BrokenPipeError, OSError):
@@ -110,6 +111,8 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
             send(EngineFailed(f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
+    finally:
+        engine.close()  # a tensor-parallel engine's worker ranks go with it
 
 
 def _add(engine: LLMEngine, msg: AddRequest, send: Callable[[EngineMessage], None]) -> None:

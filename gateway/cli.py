@@ -106,6 +106,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="cap on sequences running in one engine step; default: the engine's")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="processes each engine's model is split across (docs/parallelism.md); default 1")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step; default: the engine's")
     p.add_argument(
@@ -288,6 +290,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         model_memory_budget_bytes=args.model_memory_budget,
         enable_prefix_caching=args.prefix_caching,
         num_engines=args.engines,
+        tensor_parallel_size=args.tensor_parallel_size,
         node_health=health,
         restart=RestartPolicy(
             backoff_initial_s=args.engine_restart_backoff,

@@ -173,6 +173,17 @@ class NodeCollector(Collector):
         for n in report.nodes:
             preemptions.add_metric([n.id], n.preemptions)
         yield preemptions
+        # A tensor-parallel engine's step split: compute = forward - collective (docs/parallelism.md).
+        for name, doc, seconds in (
+            ("sluice_node_forward_seconds", "Seconds in the model forward (tensor-parallel engines)",
+             lambda n: n.forward_seconds),
+            ("sluice_node_collective_seconds", "Seconds of the forward in collectives (tensor-parallel engines)",
+             lambda n: n.collective_seconds),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["node"])
+            for n in report.nodes:
+                counter.add_metric([n.id], seconds(n))
+            yield counter
 
 
 class OtlpMirror:
