@@ -114,6 +114,10 @@ class DecoderLayer(nn.Module):
         self.down_weight = _frozen(w("mlp.down_proj.weight"))
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        # The C++ row-wise steps work on whole AVX vectors: RoPE on half-heads of 8 floats.
+        self.rowwise_kernels = (
+            config.head_dim % 16 == 0 and config.hidden_size % 8 == 0 and config.intermediate_size % 8 == 0
+        )
         b = lambda name: blocks.get(prefix + name)
         available = {
             "qkv_weight": concat([b("self_attn.q_proj.weight"), b("self_attn.k_proj.weight"),
@@ -167,7 +171,7 @@ class DecoderLayer(nn.Module):
         """x: the float32 residual stream [T, hidden]."""
         cfg = self.config
         t = x.shape[0]
-        kernels = cpu_kernels() if cache_in_kernels(k_cache) else None
+        kernels = cpu_kernels() if self.rowwise_kernels and cache_in_kernels(k_cache) else None
         if kernels is not None:  # the row-wise steps as one C++ pass each (kernels/elementwise.cpp)
             h = kernels.rms_norm(x, self.input_norm, cfg.rms_norm_eps)
             qkv = self._linear(h, "qkv_weight", self.qkv_bias)
