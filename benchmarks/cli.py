@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from benchmarks import (
     fleet,
+    fleet_affinity,
+    fleet_failover,
     gateway_overhead,
     prefix_cache,
     priority,
@@ -35,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=_engine, engine_args=[])
     gateway_overhead.add_arguments(sub)
     fleet.add_arguments(sub)
+    fleet_failover.add_arguments(sub)
+    fleet_affinity.add_arguments(sub)
     priority.add_arguments(sub)
     prefix_cache.add_arguments(sub)
     spike.add_arguments(sub)
