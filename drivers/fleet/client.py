@@ -118,6 +118,8 @@ class WorkerClient:
                             due = loop.time() + t.inter_token_s
         except httpx.ConnectError as exc:
             raise WorkerLost(f"cannot connect to {address}: {exc}", definite=True) from exc
+        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise WorkerLost(f"{address}: no connection within {t.connect_s} s ({type(exc).__name__})") from exc
         except httpx.TimeoutException as exc:
             raise WorkerLost(f"{address}: silent for {t.stall_s} s ({type(exc).__name__})") from exc
         except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
