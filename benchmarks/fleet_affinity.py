@@ -3,7 +3,7 @@
 `tenants` distinct ~1,000-token system prompts (one per tenant: the router hashes the first KV blocks,
 which differ from the first word) over `workers` native `sluice worker` processes with the bundled
 model, each with a KV pool that holds only some of the prompts. The same request sequence (tenants
-interleaved, `requests_per_tenant` each, sequential) goes through a fresh fleet per policy; printed:
+in a seeded shuffle, `requests_per_tenant` each, sequential) goes through a fresh fleet per policy; printed:
 the workers' prefix-cache hit rate (cached prompt tokens / prompt tokens looked up, weighted by the
 streams each served) and TTFT p50 of both, against the target hit rate >= 0.85 with affinity.
 """
@@ -51,17 +51,20 @@ def _system_prompts(config: AffinityBenchConfig) -> list[str]:
 async def _requests(base: str, config: AffinityBenchConfig) -> list[float]:
     systems = _system_prompts(config)
     ttfts = []
+    # Tenants in a shuffled (seeded) order: in a fixed rotation, round-robin over a tenant count that is
+    # a multiple of the workers would send each tenant to one worker every time, i.e. be affinity.
+    order = [t for t in range(config.tenants) for _ in range(config.requests_per_tenant)]
+    random.Random(1).shuffle(order)
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
-        for i in range(config.requests_per_tenant):
-            for t, system in enumerate(systems):
-                result = await stream_chat(client, {
-                    "model": "smollm2-135m-instruct", "max_tokens": config.max_tokens, "ignore_eos": True,
-                    "temperature": 0, "messages": [{"role": "system", "content": system},
-                                                   {"role": "user", "content": f"Question {i} of tenant {t}?"}],
-                })
-                if result["status"] != 200:
-                    raise RuntimeError(f"request failed: {result}")
-                ttfts.append(result["ttft"] * 1000)
+        for i, t in enumerate(order):
+            result = await stream_chat(client, {
+                "model": "smollm2-135m-instruct", "max_tokens": config.max_tokens, "ignore_eos": True,
+                "temperature": 0, "messages": [{"role": "system", "content": systems[t]},
+                                               {"role": "user", "content": f"Question {i} of tenant {t}?"}],
+            })
+            if result["status"] != 200:
+                raise RuntimeError(f"request failed: {result}")
+            ttfts.append(result["ttft"] * 1000)
     return ttfts
 
 
