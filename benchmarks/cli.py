@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from benchmarks import (
     fleet,
+    fleet_affinity,
+    fleet_failover,
     gateway_overhead,
     parallel,
     prefix_cache,
@@ -38,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_overhead.add_arguments(sub)
     fleet.add_arguments(sub)
     parallel.add_arguments(sub)
+    fleet_failover.add_arguments(sub)
+    fleet_affinity.add_arguments(sub)
     priority.add_arguments(sub)
     prefix_cache.add_arguments(sub)
     spike.add_arguments(sub)

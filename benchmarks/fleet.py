@@ -7,17 +7,20 @@ In one run, the same load twice through a real gateway, driven by `benchmarks.se
 (b) fleet: `sluice serve --driver fleet --workers ...` over `workers` `sluice worker --driver synthetic`
     processes, the same synthetic pace per request.
 
-Prints requests/s and TTFT p50 / p99 of both and the ratio fleet/in-process of requests/s (target
->= 0.9). The synthetic engine paces its tokens, so the figures measure overhead, not a model.
+Prints requests/s, TTFT p50 / p99 and CPU time per request (gateway, workers) of both and the ratio
+fleet/in-process of requests/s (target >= 0.9). On a shared host requests/s and TTFT move with what
+else runs; CPU per request is the overhead itself. The synthetic engine paces its tokens, so the figures measure overhead, not a model.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from benchmarks.serve import BenchConfig, BenchResult, run_benchmark
@@ -25,6 +28,7 @@ from benchmarks.server_process import ServerProcess
 from benchmarks.worker_process import worker_processes
 
 TARGET_RATIO = 0.9
+_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class FleetBenchConfig:
     tokens_per_second: float = 50.0  # per request, the synthetic engine's pace
     ttft_ms: float = 50.0
     policy: str = "least-loaded"
+    stream_interval_ms: float = 0.0  # the workers' --stream-interval-ms
 
 
 def _load(config: FleetBenchConfig, base_url: str, num_prompts: int) -> BenchResult:
@@ -47,32 +52,65 @@ def _load(config: FleetBenchConfig, base_url: str, num_prompts: int) -> BenchRes
     )))
 
 
-def _measure(config: FleetBenchConfig, options: list[str]) -> BenchResult:
+@dataclass(frozen=True)
+class Half:
+    """One side of the comparison: the load's figures and the CPU it cost, which unlike requests/s
+    does not depend on what else the host runs."""
+
+    result: BenchResult
+    gateway_cpu_ms: float  # per request: the gateway process (and its children)
+    workers_cpu_ms: float  # per request: every `sluice worker` process (0 in-process)
+
+    def line(self, name: str) -> str:
+        r = self.result
+        return (f"{name:<22} {r.request_throughput:7.2f} req/s  TTFT p50 {r.ttft_ms.p50:7.1f} ms  "
+                f"p99 {r.ttft_ms.p99:7.1f} ms  ITL p50 {r.itl_ms.p50:6.1f} ms  "
+                f"CPU/request: gateway {self.gateway_cpu_ms:5.2f} ms, workers {self.workers_cpu_ms:5.2f} ms")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of the processes so far (/proc/<pid>/stat fields 14 and 15)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / _TICKS
+    return total
+
+
+def _measure(config: FleetBenchConfig, options: list[str], worker_pids: list[int]) -> Half:
     with ServerProcess(options, startup_timeout_s=120) as server:
         _load(config, server.base_url, 8)  # warm-up: connections, first imports
+        gateway_pids = server.pids()
+        before = cpu_seconds(gateway_pids), cpu_seconds(worker_pids)
         result = _load(config, server.base_url, config.num_prompts)
+        after = cpu_seconds(gateway_pids), cpu_seconds(worker_pids)
     if result.failed or not result.completed:
         raise RuntimeError(f"{result.failed} failed requests: {result.errors[:3]}")
-    return result
+    n = result.completed
+    return Half(result, (after[0] - before[0]) * 1000 / n, (after[1] - before[1]) * 1000 / n)
 
 
 def run(config: FleetBenchConfig) -> dict[str, Any]:
     pace = ["--synthetic-tokens-per-second", str(config.tokens_per_second), "--synthetic-ttft-ms", str(config.ttft_ms),
             "--max-num-seqs", "256", "--max-waiting", "1024"]
-    local = _measure(config, ["--driver", "synthetic", *pace, "--no-load-shedding"])
-    with worker_processes(config.workers, "--driver", "synthetic", *pace) as workers:
+    local = _measure(config, ["--driver", "synthetic", *pace, "--no-load-shedding"], [])
+    frames = ["--stream-interval-ms", str(config.stream_interval_ms)] if config.stream_interval_ms else []
+    with worker_processes(config.workers, "--driver", "synthetic", *pace, *frames) as workers:
         urls = ",".join(w.url for w in workers)
         fleet = _measure(config, ["--driver", "fleet", "--workers", urls, "--fleet-policy", config.policy,
-                                  "--no-load-shedding"])
-    ratio = fleet.request_throughput / local.request_throughput if local.request_throughput else 0.0
-    for name, r in (("in-process", local), (f"fleet ({config.workers} workers)", fleet)):
-        print(f"{name:<22} {r.request_throughput:7.2f} req/s  TTFT p50 {r.ttft_ms.p50:7.1f} ms  "
-              f"p99 {r.ttft_ms.p99:7.1f} ms  ITL p50 {r.itl_ms.p50:6.1f} ms")
+                                  "--no-load-shedding"], [w.process.pid for w in workers])
+    lr, fr = local.result, fleet.result
+    ratio = fr.request_throughput / lr.request_throughput if lr.request_throughput else 0.0
+    print(local.line("in-process"))
+    print(fleet.line(f"fleet ({config.workers} workers)"))
     print(f"ratio fleet/in-process (req/s): {ratio:.3f} (target >= {TARGET_RATIO}) -> "
           f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}")
     load = os.getloadavg()
     print(f"load average (1/5/15 min): {load} -- figures measured under that load")
-    return {"config": asdict(config), "in_process": json.loads(local.to_json()), "fleet": json.loads(fleet.to_json()),
+    return {"config": asdict(config), "in_process": json.loads(lr.to_json()), "fleet": json.loads(fr.to_json()),
+            "cpu_ms_per_request": {"in_process_gateway": local.gateway_cpu_ms, "fleet_gateway": fleet.gateway_cpu_ms,
+                                   "fleet_workers": fleet.workers_cpu_ms},
             "ratio": ratio, "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO, "load_average": load}
 
 
@@ -88,6 +126,8 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--tokens-per-second", type=float, default=d.tokens_per_second, help="synthetic pace per request")
     p.add_argument("--ttft-ms", type=float, default=d.ttft_ms, help="synthetic time to first token")
     p.add_argument("--policy", default=d.policy, help="the fleet's routing policy")
+    p.add_argument("--stream-interval-ms", type=float, default=d.stream_interval_ms,
+                   help="the workers' least time between two token frames of a stream")
     p.add_argument("--json-out", default=None, help="also write the results as JSON here")
     p.set_defaults(func=_main)
 
@@ -95,7 +135,8 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def _main(args: argparse.Namespace) -> int:
     config = FleetBenchConfig(workers=args.workers, num_prompts=args.num_prompts, concurrency=args.concurrency,
                               input_len=args.input_len, output_len=args.output_len,
-                              tokens_per_second=args.tokens_per_second, ttft_ms=args.ttft_ms, policy=args.policy)
+                              tokens_per_second=args.tokens_per_second, ttft_ms=args.ttft_ms, policy=args.policy,
+                              stream_interval_ms=args.stream_interval_ms)
     report = run(config)
     if args.json_out:
         with open(args.json_out, "w") as f:

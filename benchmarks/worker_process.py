@@ -27,13 +27,16 @@ class WorkerProcess:
     """`sluice worker` in its own process group, output to a temporary log; ready once /readyz says so."""
 
     def __init__(self, worker_id: str, options: list[str], env: dict[str, str] | None = None,
-                 startup_timeout_s: float = 60.0, wait: bool = True) -> None:
+                 startup_timeout_s: float = 60.0, wait: bool = True, host: str = "127.0.0.1",
+                 wrapper: list[str] | None = None) -> None:
+        """`host`: the address it binds and is reached at; `wrapper`: a command it runs under (e.g.
+        `ip netns exec NS`, a worker in its own network namespace)."""
         self.worker_id = worker_id
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         sluice = str(Path(sys.executable).parent / "sluice")
-        cmd = [sluice, "worker", "--host", "127.0.0.1", "--port", str(self.port), "--worker-id", worker_id,
+        cmd = [*(wrapper or []), sluice, "worker", "--host", host, "--port", str(self.port), "--worker-id", worker_id,
                "--log-level", "WARNING", *options]
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                         env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})

@@ -65,6 +65,9 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     # driver renders the new text in their context (a leading space, a merge) as if it had never
     # stopped; 0: a fresh request.
     resumed_output_tokens: int = 0
+    # W3C traceparent of the gateway's span for this choice (set only when tracing is on): a driver
+    # that crosses a process boundary sends it along (the fleet: the `traceparent` header to a worker).
+    trace_parent: str | None = None
 
 
 class TopLogprob(msgspec.Struct, frozen=True):
@@ -187,6 +190,9 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: int | None = None
     circuit: str | None = None  # "closed" | "open" | "half_open"
     in_flight: int = 0  # streams this gateway has open on it
+    requests: int = 0  # attempts this gateway sent it (a failed-over request counts on each worker)
+    errors: int = 0  # of those, lost: connection refused, stream cut, stalled or timed out
+    failovers: int = 0  # requests moved off it to another worker after a failure here
 
 
 class NodeEvent(msgspec.Struct, frozen=True):

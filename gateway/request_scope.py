@@ -231,14 +231,18 @@ class RequestScope:
         self._dispatched = time.monotonic()
         # The lifetime cap counts from arrival too: time spent before dispatch is the client's wait.
         deadline = loop.time() + serving.settings.stream_timeout_s - (self._dispatched - self.arrival.monotonic)
-        self._fanout = Fanout(serving.driver, dispatch.requests, deadline=deadline)
+        requests = dispatch.requests
         if serving.observability is not None:
             tenant = self.caller.tenant_id if self.ticket is not None and self.caller is not None else None
             operation = "chat" if self.request_id.startswith("chatcmpl") else "text_completion"
-            self._timeline = serving.observability.start(
+            self._timeline = timeline = serving.observability.start(
                 self.request_id, dispatch.model, operation, dispatch.requests, tenant, TRACE_PARENT.get(),
                 arrived=self.arrival.wall,
             )
+            if timeline.trace_id is not None:  # tracing on: each choice's span is the parent downstream
+                requests = [msgspec.structs.replace(r, trace_parent=timeline.downstream_trace_parent(i))
+                            for i, r in enumerate(requests)]
+        self._fanout = Fanout(serving.driver, requests, deadline=deadline)
         serving.metrics.in_flight.inc()
         self._in_flight = True
         await self._fanout.open()

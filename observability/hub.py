@@ -63,7 +63,7 @@ class Observability:
         """`arrived`: time.time() when the request reached the gateway (default: now), where its
         TTFT, duration and trace start."""
         first = requests[0]
-        return RequestTimeline(
+        timeline = RequestTimeline(
             request_id=request_id,
             model=model,
             operation=operation,
@@ -74,6 +74,9 @@ class Observability:
             max_tokens=first.max_tokens,
             temperature=first.temperature,
         )
+        if self.tracer is not None:
+            self.tracer.plan(timeline)
+        return timeline
 
     def finish(self, timeline: RequestTimeline, outcome: str) -> dict[str, object]:
         """Record metrics and the trace; returns fields for the request's log line."""

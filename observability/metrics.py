@@ -168,6 +168,20 @@ class NodeCollector(Collector):
             for n in report.nodes:
                 family.add_metric([n.id], value(n))
             yield family
+        latencies: list[tuple[str, str, Callable[[Any], float | None]]] = [
+            ("sluice_node_ttft_p50_seconds", "Time to first token on the node, median over the health window",
+             lambda n: n.ttft_p50_ms),
+            ("sluice_node_itl_p50_seconds", "Inter-token latency on the node, median over the health window",
+             lambda n: n.itl_p50_ms),
+            ("sluice_node_itl_p99_seconds", "Inter-token latency on the node, p99 over the health window",
+             lambda n: n.itl_p99_ms),
+        ]
+        for name, doc, ms in latencies:
+            family = GaugeMetricFamily(name, doc, labels=["node"])
+            for n in report.nodes:
+                if (value_ms := ms(n)) is not None:  # no sample yet: no series rather than a false 0
+                    family.add_metric([n.id], value_ms / 1000)
+            yield family
         preemptions = CounterMetricFamily("sluice_node_preemptions", "Preemptions since the node started",
                                           labels=["node"])
         for n in report.nodes:
@@ -184,6 +198,35 @@ class NodeCollector(Collector):
             for n in report.nodes:
                 counter.add_metric([n.id], seconds(n))
             yield counter
+        yield from _fleet_families([n for n in report.nodes if n.address is not None])
+
+
+def _fleet_families(workers: list[Any]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """What this gateway saw of each fleet worker (drivers/fleet): its traffic and its circuit."""
+    if not workers:
+        return
+    counters: list[tuple[str, str, Callable[[Any], float]]] = [
+        ("sluice_fleet_worker_requests", "Attempts this gateway sent the worker", lambda n: n.requests),
+        ("sluice_fleet_worker_errors", "Attempts lost on the worker (refused connection, cut, stalled, timed out)",
+         lambda n: n.errors),
+        ("sluice_fleet_worker_failovers", "Requests moved off the worker to another after a failure there",
+         lambda n: n.failovers),
+    ]
+    for name, doc, value in counters:
+        counter = CounterMetricFamily(name, doc, labels=["node"])
+        for n in workers:
+            counter.add_metric([n.id], value(n))
+        yield counter
+    in_flight = GaugeMetricFamily("sluice_fleet_worker_in_flight", "Streams this gateway has open on the worker",
+                                  labels=["node"])
+    circuit = GaugeMetricFamily("sluice_fleet_worker_circuit", "1 for the worker's circuit breaker state",
+                                labels=["node", "state"])
+    for n in workers:
+        in_flight.add_metric([n.id], n.in_flight)
+        for state in ("closed", "open", "half_open"):
+            circuit.add_metric([n.id, state], float(n.circuit == state))
+    yield in_flight
+    yield circuit
 
 
 class OtlpMirror:

@@ -17,6 +17,7 @@ class ChoiceTimeline:
     """One driver request (one choice): its node, token times and the engine's timestamps."""
 
     priority: int = 0
+    span_id: int | None = None  # of this choice's span, chosen up front so a worker's span can name it
     node: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -68,6 +69,17 @@ class RequestTimeline:
     started: float = field(default_factory=time.time)
     max_tokens: int | None = None
     temperature: float | None = None
+    # Chosen when the request starts (tracing on): the trace, and each choice's span id, exist before
+    # the spans are recorded, so the traceparent a driver sends downstream names them.
+    trace_id: int | None = None
+    trace_flags: int = 1
+
+    def downstream_trace_parent(self, index: int) -> str | None:
+        """The W3C traceparent a driver sends for choice `index`: this trace, that choice's span."""
+        span = self.choices[index].span_id
+        if self.trace_id is None or span is None:
+            return None
+        return f"00-{self.trace_id:032x}-{span:016x}-{self.trace_flags:02x}"
 
     def add(self, index: int, chunk: GenerationChunk) -> None:
         self.choices[index].add(chunk)

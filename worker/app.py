@@ -1,7 +1,7 @@
 """The worker's HTTP face: a plain ASGI app over one hosted `Driver` (native or synthetic).
 
 Plain ASGI rather than Litestar because the one hot route is a stream whose life is tied to its
-connection: the pump below watches `http.disconnect` itself and aborts the request in the engine
+connection: its pump (worker/stream.py) watches `http.disconnect` itself and aborts the request in the engine
 the moment the gateway closes the stream (failover, client gone), and it interleaves keepalive
 lines so a hung worker is told apart from a slow one (drivers/fleet/wire.py).
 
@@ -37,7 +37,9 @@ from drivers.base import (
 )
 from drivers.fleet import wire
 from drivers.fleet.wire import ErrorBody, ErrorKind, WorkerInfo, WorkerLoad, WorkerState
+from observability.tracing import RequestTracer
 from worker.settings import WorkerSettings
+from worker.stream import TokenStream
 
 log = logging.getLogger("sluice.worker")
 
@@ -85,6 +87,8 @@ class WorkerMetrics:
         self.requests = Counter("sluice_worker_requests", "Generate streams by how they ended", ["outcome"],
                                 registry=self.registry)
         self.tokens = Counter("sluice_worker_tokens", "Tokens streamed to gateways", registry=self.registry)
+        self.frames = Counter("sluice_worker_frames", "Token frames streamed (several tokens each under load)",
+                              registry=self.registry)
         self.in_flight = Gauge("sluice_worker_in_flight", "Generate streams open", registry=self.registry)
 
 
@@ -96,6 +100,8 @@ class WorkerApp:
         self.incarnation = 0  # set by the registration (Redis) before the app serves
         self.in_flight = 0
         self.metrics = WorkerMetrics()
+        # One span per generate, child of the gateway's (its traceparent header); None: tracing off.
+        self.tracer = RequestTracer.create(settings.otlp_endpoint, settings.service_name)
         self._secret = settings.fleet_secret.encode() if settings.fleet_secret else None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -174,7 +180,7 @@ class WorkerApp:
                 await self._tokenize(await self._body(receive), send)
             elif route == ("POST", wire.GENERATE_PATH):
                 self._authenticate(scope)
-                await self._generate(await self._body(receive), receive, send)
+                await self._generate(await self._body(receive), receive, send, _header(scope, b"traceparent"))
             else:
                 await _json(send, 404, {"kind": "not_found", "message": f"no route {scope['method']} {scope['path']}"})
         except Refused as exc:
@@ -193,6 +199,8 @@ class WorkerApp:
                 if self._start_task is not None and not self._start_task.done():
                     self._start_task.cancel()
                 await self.driver.stop()
+                if self.tracer is not None:
+                    self.tracer.shutdown()  # flushes the spans still batched
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -270,9 +278,11 @@ class WorkerApp:
             tenant_weight=sub.tenant_weight,
         )
 
-    async def _generate(self, body: bytes, receive: Receive, send: Send) -> None:
+    async def _generate(self, body: bytes, receive: Receive, send: Send, trace_parent: str | None) -> None:
+        started = time.time()
         sub = _decode(_SUBMIT, body)
         request = self._generation_request(sub)
+        pump: TokenStream | None = None
         self.in_flight += 1
         self.metrics.in_flight.inc()
         self._idle.clear()
@@ -287,7 +297,13 @@ class WorkerApp:
                 raise refusal(first.exception())  # type: ignore[arg-type]
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/x-ndjson")]})
-            outcome = await self._stream(first, stream, sub.deadline, receive, send)
+            pump = TokenStream(first, stream, send, receive, lambda exc: refusal(exc).body, deadline=sub.deadline,
+                               keepalive_s=self.settings.keepalive_s, interval_s=self.settings.stream_interval_s)
+            try:
+                outcome = await pump.run()
+            finally:
+                self.metrics.tokens.inc(pump.tokens_sent)
+                self.metrics.frames.inc(pump.frames_sent)
         finally:
             if not first.done():
                 first.cancel()
@@ -299,69 +315,27 @@ class WorkerApp:
                 with contextlib.suppress(DriverError):
                     await aclose()
             self.metrics.requests.labels(outcome).inc()
+            if self.tracer is not None:
+                self._trace(sub, trace_parent, started, outcome, pump.tokens_sent if pump else 0)
             self.in_flight -= 1
             self.metrics.in_flight.dec()
             if self.in_flight == 0:
                 self._idle.set()
 
-    async def _stream(self, first: asyncio.Future[GenerationChunk | None], stream: AsyncIterator[GenerationChunk],
-                      deadline: float | None, receive: Receive, send: Send) -> str:
-        """Pump chunks into lines until the end, or until the gateway hangs up (then the pump is
-        cancelled and the caller closes the driver's stream: the engine aborts the request). A
-        ticker beside it sends a keepalive whenever no line went out for a keepalive period."""
-        clock = _LastSent(asyncio.get_running_loop().time())
-        pump = asyncio.create_task(self._send_events(first, stream, deadline, send, clock))
-        gone = asyncio.create_task(_disconnected(receive))
-        ticker = asyncio.create_task(self._keepalives(send, clock))
-        try:
-            done, _ = await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (pump, gone, ticker):
-                task.cancel()
-            await asyncio.gather(pump, gone, ticker, return_exceptions=True)
-        if pump in done and not pump.cancelled() and pump.exception() is None:
-            with contextlib.suppress(OSError):
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return pump.result()
-        return "disconnected"
 
-    async def _keepalives(self, send: Send, clock: _LastSent) -> None:
-        loop, every = asyncio.get_running_loop(), self.settings.keepalive_s
-        while True:
-            await asyncio.sleep(max(0.0, clock.at + every - loop.time()))
-            if loop.time() - clock.at >= every:
-                clock.at = loop.time()
-                await _line(send, wire.KeepAlive(time.time()))
-
-    async def _send_events(self, first: asyncio.Future[GenerationChunk | None], stream: AsyncIterator[GenerationChunk],
-                           deadline: float | None, send: Send, clock: _LastSent) -> str:
-        loop = asyncio.get_running_loop()
-        try:
-            chunk: GenerationChunk | None = await first
-            while chunk is not None:
-                if deadline is not None and time.time() > deadline:
-                    await _line(send, wire.FailureEvent(kind=ErrorKind.OVERLOADED, message="deadline passed"))
-                    return "deadline"
-                self.metrics.tokens.inc(len(chunk.token_ids))
-                clock.at = loop.time()
-                await _line(send, _tokens_event(chunk))
-                if chunk.finish_reason is not None:
-                    return "finished"
-                chunk = await anext(stream, None)
-        except DriverError as exc:
-            body = refusal(exc).body
-            await _line(send, wire.FailureEvent(kind=body.kind, message=body.message, retry_after=body.retry_after))
-            return str(body.kind)
-        return "ended"
-
-
-class _LastSent:
-    """When the stream's last line went out (loop time), shared by the pump and the keepalive ticker."""
-
-    __slots__ = ("at",)
-
-    def __init__(self, at: float) -> None:
-        self.at = at
+    def _trace(self, sub: wire.SubmitRequest, trace_parent: str | None, started: float, outcome: str,
+               tokens: int) -> None:
+        assert self.tracer is not None
+        self.tracer.record_remote("sluice.worker.generate", trace_parent, started, time.time(), {
+            "sluice.node.id": self.settings.worker_id,
+            "sluice.worker.incarnation": self.incarnation,
+            "sluice.request.id": sub.request_id,
+            "sluice.worker.outcome": outcome,
+            "sluice.resumed_tokens": sub.resumed_tokens,
+            "gen_ai.request.model": sub.model,
+            "gen_ai.usage.input_tokens": len(sub.prompt_token_ids),
+            "gen_ai.usage.output_tokens": tokens,
+        }, error=None if outcome == "finished" else outcome)
 
 
 class _BodyTooLarge(Exception):
@@ -372,20 +346,11 @@ async def _next(it: AsyncIterator[GenerationChunk]) -> GenerationChunk | None:
     return await anext(it, None)
 
 
-def _tokens_event(chunk: GenerationChunk) -> wire.TokensEvent:
-    t = chunk.token_time or time.time()
-    return wire.TokensEvent(
-        token_ids=chunk.token_ids, text=chunk.text, token_times=[t] * len(chunk.token_ids),
-        prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
-        finish_reason=chunk.finish_reason, logprobs=chunk.logprobs, arrival_time=chunk.arrival_time,
-        first_scheduled_time=chunk.first_scheduled_time, first_token_time=chunk.first_token_time,
-        finish_time=chunk.finish_time, preemption_times=chunk.preemption_times,
-    )
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
 
 
 def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
@@ -395,10 +360,6 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise Refused(ErrorKind.INVALID, f"invalid request body: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise Refused(ErrorKind.INVALID, f"request body is not valid JSON: {exc}") from exc
-
-
-async def _line(send: Send, event: wire.StreamEvent) -> None:
-    await send({"type": "http.response.body", "body": wire.encode_line(event), "more_body": True})
 
 
 async def _respond(send: Send, status: int, body: bytes, content_type: bytes = b"application/json") -> None:

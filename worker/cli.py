@@ -28,6 +28,9 @@ def add_worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], 
                    help="register and heartbeat in this Redis (SLUICE_FLEET_REDIS_URL); default: none (static lists)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds the requests in flight may run before the worker exits anyway")
+    p.add_argument("--stream-interval-ms", type=float, default=0.0,
+                   help="least milliseconds between two token frames of a stream (tokens meanwhile share one "
+                        "frame); 0: send what is ready whenever the stream is written")
     p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between Redis heartbeats")
     p.add_argument("--heartbeat-ttl", type=float, default=2.5,
                    help="seconds without a heartbeat before the worker drops out of the fleet")
@@ -57,7 +60,10 @@ def _worker(args: argparse.Namespace, env: Settings) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_ttl_s=args.heartbeat_ttl,
         drain_timeout_s=args.drain_timeout,
+        stream_interval_s=args.stream_interval_ms / 1000,
         log_level=args.log_level.upper(),
+        otlp_endpoint=env.otlp_endpoint,
+        service_name=os.environ.get("OTEL_SERVICE_NAME") or "sluice-worker",
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
     )

@@ -34,11 +34,20 @@ class WorkerSettings:
     """The record's TTL: a worker that misses heartbeats this long is out of every gateway's view."""
     keepalive_s: float = 0.5
     """A generate stream with no token for this long gets a keepalive line, so silence means hung."""
+    stream_interval_s: float = 0.0
+    """Least time between two token frames of one stream (--stream-interval-ms); tokens that come
+    meanwhile ride in the next frame. 0: a frame whenever the stream is written, holding every token
+    ready by then (worker/stream.py)."""
     drain_timeout_s: float = 60.0
     """On SIGTERM, how long requests in flight may finish before they are ended and the worker exits."""
     max_body_bytes: int = 8 << 20
     """Largest request body (a tokenized prompt); larger gets 413."""
     log_level: str = "INFO"
+    otlp_endpoint: str | None = None
+    """OTLP/HTTP collector for the worker's spans (OTEL_EXPORTER_OTLP_ENDPOINT); each generate is a
+    span whose parent is the gateway's `traceparent` header. None: no tracing."""
+    service_name: str = "sluice-worker"
+    """OpenTelemetry service.name of the worker's spans (OTEL_SERVICE_NAME)."""
     ssl_keyfile: str | None = None
     """TLS key and certificate (uvicorn's --ssl-* options): the worker serves https."""
     ssl_certfile: str | None = None

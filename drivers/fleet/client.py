@@ -88,38 +88,38 @@ class WorkerClient:
             async with self.http.stream("POST", address + wire.GENERATE_PATH, content=body, headers=headers) as response:
                 if response.status_code != 200:
                     raise _refusal(response.status_code, await response.aread(), address)
-                # Raw bytes split on newlines, decoded by msgspec straight from bytes: no text
-                # decoding per line (this loop runs once per token of every stream).
+                # A read holds one frame or several (a frame holds every token the worker had ready):
+                # all complete lines of it are decoded by msgspec in one call, straight from bytes.
                 raw = response.aiter_raw()
-                pending: list[bytes] = []
                 buffer = b""
                 loop = asyncio.get_running_loop()
                 due = loop.time() + t.first_token_s
                 while True:
-                    if not pending:
-                        try:
-                            async with asyncio.timeout_at(due):
-                                buffer += await anext(raw)
-                        except StopAsyncIteration:
-                            raise WorkerLost(f"{address}: the stream ended before the request finished") from None
-                        except TimeoutError:
-                            raise WorkerLost(f"{address}: no token within the token timeout") from None
-                        *complete, buffer = buffer.split(b"\n")
-                        pending = [line for line in complete if line]
-                        pending.reverse()
+                    try:
+                        async with asyncio.timeout_at(due):
+                            buffer += await anext(raw)
+                    except StopAsyncIteration:
+                        raise WorkerLost(f"{address}: the stream ended before the request finished") from None
+                    except TimeoutError:
+                        raise WorkerLost(f"{address}: no token within the token timeout") from None
+                    end = buffer.rfind(b"\n") + 1
+                    if not end:
                         continue
-                    event = wire.STREAM_DECODER.decode(pending.pop())
-                    if isinstance(event, wire.KeepAlive):
-                        continue
-                    if isinstance(event, wire.FailureEvent):
-                        raise WorkerRefused(event.kind, event.message, retry_after=event.retry_after)
-                    yield event
-                    if event.finish_reason is not None:
-                        return
-                    if event.token_ids:
-                        due = loop.time() + t.inter_token_s
+                    events, buffer = wire.STREAM_DECODER.decode_lines(buffer[:end]), buffer[end:]
+                    for event in events:
+                        if isinstance(event, wire.KeepAlive):
+                            continue
+                        if isinstance(event, wire.FailureEvent):
+                            raise WorkerRefused(event.kind, event.message, retry_after=event.retry_after)
+                        yield event
+                        if event.finish_reason is not None:
+                            return
+                        if event.token_ids:
+                            due = loop.time() + t.inter_token_s
         except httpx.ConnectError as exc:
             raise WorkerLost(f"cannot connect to {address}: {exc}", definite=True) from exc
+        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise WorkerLost(f"{address}: no connection within {t.connect_s} s ({type(exc).__name__})") from exc
         except httpx.TimeoutException as exc:
             raise WorkerLost(f"{address}: silent for {t.stall_s} s ({type(exc).__name__})") from exc
         except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:

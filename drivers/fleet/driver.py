@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from drivers.base import (
     Driver,
@@ -56,6 +57,15 @@ _RETRY_ELSEWHERE = frozenset({
 JOIN_WAIT_S = 5.0  # start() waits this long for a first ready worker (readiness follows later ones)
 
 
+@dataclass
+class WorkerTally:
+    """What this gateway sent one worker and how it went (per-worker counters on /metrics)."""
+
+    requests: int = 0  # attempts sent (a failed-over request counts on each worker it tried)
+    errors: int = 0  # attempts lost (WorkerLost)
+    failovers: int = 0  # requests moved off this worker to another one after a loss here
+
+
 class FleetDriver(Driver):
     def __init__(self, config: FleetConfig) -> None:
         self.config = config
@@ -70,6 +80,7 @@ class FleetDriver(Driver):
             self.membership = StaticMembership(list(config.workers), config.rescan_s, config.ttl_s, config.secret)
         self.client = WorkerClient(config.secret, config.timeouts, config.tls_verify)
         self.failovers = 0  # requests moved to another worker after a failure
+        self.tallies: dict[str, WorkerTally] = {}
         self._watch: asyncio.Task[None] | None = None
         self._started = False
 
@@ -176,6 +187,7 @@ class FleetDriver(Driver):
             raise InvalidRequestError(
                 f"This model's maximum context length is {card.max_model_len} tokens; the prompt has {len(prompt)}",
                 param="max_tokens")
+        trace = {"traceparent": request.trace_parent} if request.trace_parent else None  # worker span's parent
         sent: list[int] = []  # token ids the client has: what a resumed attempt continues from
         tried: list[str] = []
         last_failure = ""
@@ -189,11 +201,13 @@ class FleetDriver(Driver):
                 raise EngineDeadError(f"{exc}; last failure: {last_failure}" if last_failure else str(exc)) from exc
             submit = self._submit(request, prompt, sent, budget, worker, attempt=len(tried))
             self.router.in_flight[worker.id] = self.router.in_flight.get(worker.id, 0) + 1
+            tally = self.tallies.setdefault(worker.id, WorkerTally())
+            tally.requests += 1
             arrival = time.time()
             got_token = False
             last_token: float | None = None
             try:
-                async with contextlib.aclosing(self.client.stream(worker.address, submit)) as events:
+                async with contextlib.aclosing(self.client.stream(worker.address, submit, trace)) as events:
                     async for event in events:
                         if not got_token and event.token_ids:
                             got_token = True
@@ -206,11 +220,13 @@ class FleetDriver(Driver):
                             return
             except WorkerLost as exc:
                 self._failed(worker, exc)
+                tally.errors += 1
                 tried.append(worker.id)
                 last_failure = str(exc)
                 if len(tried) >= self.config.max_attempts:
                     raise EngineDeadError(f"the request failed on {len(tried)} workers; last: {exc}") from exc
                 self.failovers += 1
+                tally.failovers += 1
                 log.warning("failover after %d tokens", len(sent),
                             extra={"request_id": request.request_id, "node": worker.id, "error": str(exc)})
             except WorkerRefused as exc:
@@ -294,6 +310,7 @@ class FleetDriver(Driver):
         for wid, w in sorted(self.membership.view.items()):
             a = views.get(wid)
             breaker = self.router.breakers.get(wid)
+            tally = self.tallies.get(wid, WorkerTally())
             nodes.append(NodeInfo(
                 id=wid, status=str(a.status) if a else "healthy", running=w.load.running, waiting=w.load.waiting,
                 kv_blocks_used=w.load.kv_blocks_used, kv_blocks_total=w.load.kv_blocks_total,
@@ -303,6 +320,7 @@ class FleetDriver(Driver):
                 since=a.since if a else None, prefix_cache_hit_rate=w.load.prefix_cache_hit_rate,
                 address=w.address, state=str(w.state), incarnation=w.incarnation,
                 circuit=str(breaker.state) if breaker else "closed", in_flight=self.router.in_flight.get(wid, 0),
+                requests=tally.requests, errors=tally.errors, failovers=tally.failovers,
             ))
         events = [NodeEvent(ev.time, ev.node, str(ev.kind), ev.reason) for ev in self.monitor.events]
         return NodesReport(nodes, events)
