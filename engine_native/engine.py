@@ -116,6 +116,7 @@ class LLMEngine:
         # step ended, whether prompt work was left waiting when it was scheduled).
         self._recent: deque[_StepRecord] = deque()
         self._last_step_end = time.time()
+        self._idle = True  # no work left after the last step: the next one's interval starts with it
         log.info(
             "engine ready: model=%s dtype=%s max_model_len=%d kv_blocks=%d x %d tokens",
             self.model_name, dtype, self.max_model_len, num_blocks, block_size,
@@ -182,6 +183,7 @@ class LLMEngine:
     # ----- the step --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        started = time.time()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -197,8 +199,13 @@ class LLMEngine:
         # Prompt work was left over: a chunk that did not reach its sample, or requests still waiting. Such
         # steps measure how fast queued prompts are served, which is what a new request would wait on.
         backlog = bool(len(self.scheduler.waiting)) or any(not s.samples for s in sched.scheduled)
-        self._recent.append(_StepRecord(now, len(updates), prompt_tokens, now - self._last_step_end, backlog))
+        # The time a step costs includes the loop's own work since the previous step, but not a wait for
+        # requests: after idle, a step's interval starts when it does. (A step after a minute of idle
+        # counted the minute, and the prefill rate it reported made the next burst look minutes long.)
+        since = started if self._idle else self._last_step_end
+        self._recent.append(_StepRecord(now, len(updates), prompt_tokens, now - since, backlog))
         self._last_step_end = now
+        self._idle = not self.scheduler.has_work
         while self._recent and now - self._recent[0].end > STATS_WINDOW_S:
             self._recent.popleft()
         return [self._process(u, now) for u in updates]

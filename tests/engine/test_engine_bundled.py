@@ -8,6 +8,7 @@ KV pool so small that requests are preempted and recomputed.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -206,3 +207,27 @@ def test_multibyte_text_streams_without_broken_characters(loaded, text: str) -> 
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
     assert sum(1 for p in pieces if p == "") > 0  # some tokens really were partial characters
+
+
+def test_idle_time_is_not_counted_as_prefill_time(loaded, prompts) -> None:  # type: ignore[no-untyped-def]
+    """Before: the first step after an idle spell counted the whole spell as its duration, so the
+    prefill rate it reported was tiny and the gateway shed the next burst as if it would wait
+    minutes (seen: 23 of 32 requests refused at 8 concurrent after a pause). The rate must be the
+    step's own: at most its prompt tokens over the time the step call took."""
+    engine = LLMEngine(
+        EngineConfig(model_path=bundled_model_path(), cache=CacheConfig(num_blocks=256)), loaded=loaded,
+        progress=False,
+    )
+    engine.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0))
+    time.sleep(1.5)  # idle
+    for i, prompt in enumerate(prompts[:4]):
+        engine.add_request(f"burst-{i}", prompt, SamplingParams(max_tokens=2, temperature=0))
+    longest = max(prompts, key=len)
+    engine.add_request("long", longest * 3, SamplingParams(max_tokens=2, temperature=0))  # chunked: a backlog
+    before = engine.prompt_tokens_total
+    started = time.time()
+    engine.step()
+    took = time.time() - started
+    computed = engine.prompt_tokens_total - before
+    assert computed > 0
+    assert engine.stats().prefill_tokens_per_s >= computed / took
