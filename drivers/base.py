@@ -174,6 +174,8 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     step_delay_s: float = 0.0  # injected fault, if any
     stalled_by_fault: bool = False
     restarts: int = 0  # times its engine was restarted after dying
+    device: str | None = None  # where its engine computes ("cpu", "cuda:0 (NVIDIA H200)"); None: not reported
+    attention_backend: str | None = None  # its engine's paged attention ("native", "sdpa", "flashinfer")
     # Fleet workers (drivers/fleet): where it is, its membership state and incarnation, its circuit.
     address: str | None = None
     state: str | None = None  # "joining" | "ready" | "draining"

@@ -109,7 +109,8 @@ class NativeDriverConfig:
             served_model_name=o.served_model_name or DEFAULT_SERVED_MODEL_NAME,
             cache=cache,
             scheduler=scheduler,
-            **overrides(dtype=o.dtype, num_threads=o.num_threads, max_model_len=o.max_model_len),
+            **overrides(dtype=o.dtype, num_threads=o.num_threads, max_model_len=o.max_model_len, device=o.device,
+                        attention_backend=o.attention_backend),
         )
         return cls(
             engine=engine,

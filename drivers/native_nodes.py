@@ -137,6 +137,8 @@ class NodeRouter:
                 step_delay_s=e.fault[0],
                 stalled_by_fault=e.fault[1],
                 restarts=self.restarts[e.config.node_id],
+                device=e.info.device if e.info else None,
+                attention_backend=e.info.attention_backend if e.info else None,
             ))
         events = [NodeEvent(ev.time, ev.node, str(ev.kind), ev.reason) for ev in self.monitor.events]
         return NodesReport(nodes, events)
