@@ -28,7 +28,7 @@ from engine_native.engine import LLMEngine
 from engine_native.model.loader import load_model
 from engine_native.sampling_params import SamplingParams
 
-SMOLLM2_135M = dict(  # noqa: C408
+SMOLLM2_135M: dict[str, Any] = dict(  # noqa: C408
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5,
 )
@@ -39,7 +39,8 @@ def save_random_model(path: Path) -> None:
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**SMOLLM2_135M, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    model: Any = LlamaForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(path)
 
 
 def run_streams(engine: LLMEngine, streams: int, prompt_len: int, output_len: int, seed: int) -> dict[str, Any]:

@@ -85,7 +85,7 @@ class LLMEngine:
         default_kv_dtype = torch.float32 if num_quantized else self.loaded.dtype
         kv_dtype = parse_dtype(config.kv_dtype) if config.kv_dtype else default_kv_dtype
         block_size = config.cache.block_size
-        self.attention_backend_name = resolve_backend_name(config.attention_backend, self.device)
+        self.attention_backend_name = resolve_backend_name(config.attention_backend, self.device, kv_dtype)
         # Engines that share one loaded model (tests) share its backend too: the last one set wins.
         self.loaded.model.attention_backend = build_attention_backend(
             self.attention_backend_name, model_cfg, self.device, kv_dtype

@@ -50,18 +50,23 @@ def flashinfer_available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def resolve_backend_name(requested: str, device: torch.device) -> str:
-    """'auto' -> native on CPU; on CUDA flashinfer when importable, else sdpa."""
+FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)  # its kernels have no fp32 variant
+
+
+def resolve_backend_name(requested: str, device: torch.device, kv_dtype: torch.dtype = torch.bfloat16) -> str:
+    """'auto' -> native on CPU; on CUDA flashinfer when importable and the cache is 16-bit, else sdpa."""
     if requested not in BACKEND_CHOICES:
         raise ValueError(f"unsupported attention backend {requested!r}; choose one of {', '.join(BACKEND_CHOICES)}")
     if requested == "auto":
         if device.type == "cpu":
             return NATIVE
-        return FLASHINFER if flashinfer_available() else SDPA
+        return FLASHINFER if flashinfer_available() and kv_dtype in FLASHINFER_DTYPES else SDPA
     if requested == NATIVE and device.type != "cpu":
         raise ValueError("the native attention backend runs on CPU only; use sdpa or flashinfer on CUDA")
     if requested == FLASHINFER and (device.type != "cuda" or not flashinfer_available()):
         raise ValueError("the flashinfer backend needs CUDA and the flashinfer package (`make install-gpu`)")
+    if requested == FLASHINFER and kv_dtype not in FLASHINFER_DTYPES:
+        raise ValueError(f"the flashinfer backend reads a bf16 or fp16 KV cache, not {kv_dtype}")
     return requested
 
 

@@ -98,6 +98,7 @@ def test_attention_backend_auto_is_native_on_cpu_and_a_cuda_backend_on_cuda() ->
         resolve_backend_name("native", CUDA)
     with pytest.raises(ValueError, match="flashinfer"):
         resolve_backend_name("flashinfer", cpu)
+    assert resolve_backend_name("auto", CUDA, torch.float32) == "sdpa"  # FlashInfer has no fp32 kernels
 
 
 def test_long_contexts_swap_and_short_ones_recompute_on_a_gpu() -> None:
