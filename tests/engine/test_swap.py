@@ -21,9 +21,9 @@ from engine_native.model.base import LoadedModel
 from engine_native.request import Request, RequestStatus
 from engine_native.sampling_params import SamplingParams
 from engine_native.scheduler import RunnerOutput, Scheduler
-from engine_native.swap import HostSwapSpace, SwapPolicy
+from engine_native.swap import HostSwapSpace, PreemptionCost, SwapPolicy
 
-GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [prompt(n, seed) for n, seed in [(30, 1), (22, 2), (37, 3), (12, 4), (26, 5), (33, 6)]]
 
 
@@ -87,10 +87,18 @@ def test_a_small_host_pool_swaps_some_and_recomputes_the_rest(tiny: LoadedModel,
     assert 0 < engine.scheduler.num_swaps < engine.scheduler.num_preemptions
 
 
-def test_recompute_mode_never_swaps(tiny: LoadedModel, expected: list[list[int]]) -> None:
-    engine = _engine(tiny, _tight_pool(), mode="recompute", swap_blocks=256)
-    assert _run_checked(engine) == expected
-    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_swaps == 0
+def test_recompute_mode_never_swaps_and_auto_asks_the_cost_estimate() -> None:
+    space = HostSwapSpace(64)
+    assert not SwapPolicy(space, "recompute").should_swap(1000, 10)
+    assert SwapPolicy(space, "swap").should_swap(1000, 10)
+    assert not SwapPolicy(space, "swap").should_swap(1000, 65)  # no room: recompute
+    # An 8B model with GQA on a GPU: recomputing costs more than copying beyond a handful of tokens.
+    cost = PreemptionCost(params=8 * 10**9, num_layers=32, hidden_size=4096, kv_bytes_per_token=131072,
+                          flops_per_s=2e14, copy_bytes_per_s=2e10, fixed_s=2e-4)
+    auto = SwapPolicy(space, "auto", cost)
+    assert not auto.should_swap(1, 1) and auto.should_swap(512, 32)
+    with pytest.raises(ValueError):
+        SwapPolicy(space, "sometimes")
 
 
 def _request(rid: str, n: int, priority: int = 0) -> Request:
