@@ -25,7 +25,6 @@ import torch
 
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_native.engine import LLMEngine
-from engine_native.model.loader import load_model
 from engine_native.sampling_params import SamplingParams
 
 SMOLLM2_135M: dict[str, Any] = dict(  # noqa: C408
@@ -95,12 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         cuda_graph_batch_sizes=() if args.no_graphs else EngineConfig.cuda_graph_batch_sizes,
         cache=CacheConfig(enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max_streams, max_num_batched_tokens=max(2048, max_streams),
-                                  long_prefill_token_threshold=2048, max_waiting=max_streams),
+                                  long_prefill_token_threshold=2048, max_waiting=max_streams + 8),
     )
     t0 = time.perf_counter()
-    loaded = load_model(str(model_dir), dtype=torch.bfloat16 if args.dtype == "auto" else torch.float32,
-                        progress=False)
-    engine = LLMEngine(config, loaded=loaded, progress=False)
+    engine = LLMEngine(config, progress=False)  # it loads the weights in the dtype it computes in there
     results["start_s"] = round(time.perf_counter() - t0, 2)
     results["engine_device"], results["attention_backend"] = engine.device_name, engine.attention_backend_name
     run_streams(engine, 4, 16, 8, seed=99)  # warm-up: first kernels, allocator

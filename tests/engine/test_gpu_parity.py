@@ -25,7 +25,6 @@ from tiny_models import prompt, save_tiny_llama
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_native.engine import LLMEngine
 from engine_native.model.attention_backends import flashinfer_available
-from engine_native.model.loader import load_model
 from engine_native.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -66,8 +65,7 @@ def _engine(path: Path, dtype: str, backend: str, graphs: bool = True, **cache: 
         cache=CacheConfig(block_size=8, **{"num_blocks": 256, **cache}),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96, long_prefill_token_threshold=32),
     )
-    loaded = load_model(str(path), dtype=torch.float32 if dtype == "float32" else torch.bfloat16, progress=False)
-    return LLMEngine(config, loaded=loaded, progress=False)
+    return LLMEngine(config, progress=False)  # it loads the weights in the dtype it computes in there
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
