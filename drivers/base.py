@@ -184,6 +184,8 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     # collectives (engine_native/parallel, docs/parallelism.md).
     forward_seconds: float = 0.0
     collective_seconds: float = 0.0
+    device: str | None = None  # where its engine computes ("cpu", "cuda:0 (NVIDIA H200)"); None: not reported
+    attention_backend: str | None = None  # its engine's paged attention ("native", "sdpa", "flashinfer")
     # Fleet workers (drivers/fleet): where it is, its membership state and incarnation, its circuit.
     address: str | None = None
     state: str | None = None  # "joining" | "ready" | "draining"

@@ -110,7 +110,8 @@ class NativeDriverConfig:
             cache=cache,
             scheduler=scheduler,
             parallel=replace(ParallelConfig(), **overrides(tensor_parallel_size=o.tensor_parallel_size)),
-            **overrides(dtype=o.dtype, num_threads=o.num_threads, max_model_len=o.max_model_len),
+            **overrides(dtype=o.dtype, num_threads=o.num_threads, max_model_len=o.max_model_len, device=o.device,
+                        attention_backend=o.attention_backend),
         )
         return cls(
             engine=engine,

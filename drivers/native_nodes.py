@@ -139,6 +139,8 @@ class NodeRouter:
                 restarts=self.restarts[e.config.node_id],
                 forward_seconds=s.forward_s_total if s else 0.0,
                 collective_seconds=s.collective_s_total if s else 0.0,
+                device=e.info.device if e.info else None,
+                attention_backend=e.info.attention_backend if e.info else None,
             ))
         events = [NodeEvent(ev.time, ev.node, str(ev.kind), ev.reason) for ev in self.monitor.events]
         return NodesReport(nodes, events)

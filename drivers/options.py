@@ -27,6 +27,10 @@ class EngineOptions:
     """Model id clients send; None: the driver's (--served-model-name)."""
     dtype: str | None = None
     """Weight/activation dtype, "bfloat16" or "float32" (--dtype)."""
+    device: str | None = None
+    """Where the native engine computes: "cpu", "cuda" or "auto" (--device)."""
+    attention_backend: str | None = None
+    """Paged attention of the native engine: "auto", "native", "sdpa", "flashinfer" (--attention-backend)."""
     num_threads: int | None = None
     """Torch CPU threads per engine; None: torch's choice (--num-threads)."""
     max_model_len: int | None = None

@@ -52,6 +52,17 @@ class CacheConfig:
     memory_fraction: float = 0.25  # of the host memory available at start, when neither is set
     enable_prefix_caching: bool = True  # reuse full KV blocks of identical prefixes
     share_prefix_across_tenants: bool = False  # when False, a tenant id salts every block hash
+    # On CUDA, without an explicit size: this fraction of the device memory still free once the
+    # weights are loaded (torch.cuda.mem_get_info) becomes the pool; the rest is activations' headroom.
+    device_memory_fraction: float = 0.9
+    # Preemption (swap.py): "recompute" frees a victim's blocks and recomputes it later; "swap" copies
+    # its KV blocks to a host pool and back when the pool has room; "auto" swaps only when the cost
+    # estimate says copying is cheaper than recomputing. Without a host pool every mode recomputes.
+    preemption_mode: str = "auto"
+    # The host pool preempted requests' KV is swapped to (pinned memory on CUDA). swap_num_blocks wins
+    # when set; None for both: 4 GiB on CUDA, none on CPU (the KV already lives in host memory there).
+    swap_num_blocks: int | None = None
+    swap_space_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -125,4 +136,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     node_id: str = "node-0"
+    # Where weights, the KV pool and step tensors live: "cpu", "cuda" (or "cuda:N"), or "auto" (cuda when
+    # torch sees one). On CUDA "auto" dtype means bf16 and the quantized CPU blocks are off (device.py).
+    device: str = "auto"
+    # Attention over the paged cache (model/attention_backends.py): "auto" is the native CPU path on CPU,
+    # FlashInfer on CUDA when importable, else "sdpa" (torch SDPA over gathered blocks, which runs anywhere).
+    attention_backend: str = "auto"
+    # CUDA only (cuda_graphs.py): pure-decode steps replay CUDA graphs captured for these batch sizes,
+    # padded up to the next one; empty: no graphs. Contexts beyond cuda_graph_max_context run eagerly.
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    cuda_graph_max_context: int = 2048
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -20,11 +20,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_native.config import EngineConfig
+from engine_native.cuda_graphs import DecodeGraphs
 from engine_native.detokenizer import IncrementalDetokenizer
+from engine_native.device import compute_dtype, describe, device_memory_info, resolve_device
+from engine_native.device_runner import DeviceForward
 from engine_native.forward_batch import KVCache
 from engine_native.kv_cache_manager import KVCacheManager
 from engine_native.messages import EngineStats, LogprobEntry, LogprobTop, RequestOutput
-from engine_native.model.base import LoadedModel, Tokenizer
+from engine_native.model.attention_backends import SDPA, build_attention_backend, resolve_backend_name
+from engine_native.model.base import CausalLM, LoadedModel, Tokenizer
 from engine_native.model.llama import kernels_take_bf16_cache
 from engine_native.model.loader import load_model
 from engine_native.precision import parse_dtype
@@ -33,7 +37,8 @@ from engine_native.runner import ModelRunner
 from engine_native.sampler import TokenLogprobs, make_generator
 from engine_native.sampling_params import SamplingParams
 from engine_native.scheduler import QueueFullError, Scheduler, TokenUpdate
-from engine_native.sizing import num_kv_blocks
+from engine_native.sizing import num_kv_blocks, num_swap_blocks
+from engine_native.swap import HostSwapSpace, PreemptionCost, SwapPolicy, copy_blocks
 
 if TYPE_CHECKING:
     from engine_native.parallel.group import EngineGroup
@@ -65,19 +70,26 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        dtype = parse_dtype(config.dtype)
+        self.device = resolve_device(config.device)
+        on_cpu = self.device.type == "cpu"
+        dtype = compute_dtype(config.dtype, self.device)
         self.group: EngineGroup | None = None
         if config.parallel.world_size > 1 and loaded is None:
+            if not on_cpu:
+                raise ValueError("tensor and pipeline parallelism run on the CPU (gloo) only so far: use --device cpu")
             from engine_native.parallel.group import EngineGroup  # torch.distributed only when asked for
 
             self.group = EngineGroup.start(config, dtype, progress)
             loaded = self.group.loaded
         self.loaded = loaded or load_model(config.model_path, dtype=dtype, progress=progress)
+        if not on_cpu:
+            self.loaded.model.place_on(self.device)
         model_cfg = self.loaded.config
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
-        num_quantized = self.loaded.model.enable_quantized(config.quantized_max_rows)
+        # The quantized blocks are a CPU kernel's: off on an accelerator.
+        num_quantized = self.loaded.model.enable_quantized(config.quantized_max_rows if on_cpu else 0)
         if num_quantized:
             log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices",
                      config.quantized_max_rows, num_quantized)
@@ -90,22 +102,54 @@ class LLMEngine:
             default_kv_dtype = torch.float32
         kv_dtype = parse_dtype(config.kv_dtype) if config.kv_dtype else default_kv_dtype
         block_size = config.cache.block_size
+        self.attention_backend_name = resolve_backend_name(config.attention_backend, self.device, kv_dtype)
+        # Engines that share one loaded model (tests) share its backend too: the last one set wins.
+        self.loaded.model.attention_backend = build_attention_backend(
+            self.attention_backend_name, model_cfg, self.device, kv_dtype
+        )
         # A tensor-parallel rank's pool holds only its own KV heads (model.config is the rank's slice).
-        num_blocks = num_kv_blocks(config, self.loaded.model.config, kv_dtype, self.max_model_len)
+        num_blocks = num_kv_blocks(config, self.loaded.model.config, kv_dtype, self.max_model_len,
+                                   device_memory_info(self.device))
+        use_graphs = self.device.type == "cuda" and bool(config.cuda_graph_batch_sizes) and \
+            self.attention_backend_name == SDPA
+        # Swap-to-host copies one process's pool: not with a parallel group's pools spread over ranks.
+        num_swap = 0 if self.group is not None else num_swap_blocks(config, model_cfg, kv_dtype, self.device)
+        self.host_kv: KVCache | None = None
+        swap: SwapPolicy | None = None
+        if num_swap > 0:
+            self.host_kv = KVCache.allocate(
+                model_cfg.num_layers, num_swap, block_size, model_cfg.num_kv_heads, model_cfg.head_dim, kv_dtype,
+                pin_memory=not on_cpu,
+            )
+            cost = PreemptionCost.for_device(model_cfg, kv_dtype, self.device)
+            swap = SwapPolicy(HostSwapSpace(num_swap), config.cache.preemption_mode, cost)
         self.kv_cache = KVCacheManager(
             num_blocks,
             block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             share_prefix_across_tenants=config.cache.share_prefix_across_tenants,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, swap=swap)
         if self.group is not None:
             self.runner: ModelRunner = self.group.runner(num_blocks, block_size, kv_dtype)
         else:
+            # With graphs, one more block than the allocator knows of: the scratch block of padding rows.
             kv = KVCache.allocate(
-                model_cfg.num_layers, num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim, kv_dtype
+                model_cfg.num_layers, num_blocks + use_graphs, block_size, model_cfg.num_kv_heads,
+                model_cfg.head_dim, kv_dtype, device=self.device,
             )
-            self.runner = ModelRunner(self.loaded.model, kv, block_size)
+            model: CausalLM = self.loaded.model
+            if not on_cpu:
+                graphs = None
+                if use_graphs:
+                    graphs = DecodeGraphs(
+                        self.loaded.model, kv, config.cuda_graph_batch_sizes,
+                        min(config.cuda_graph_max_context, self.max_model_len), block_size, num_blocks, self.device,
+                    )
+                    graphs.capture()
+                model = DeviceForward(self.loaded.model, self.device, graphs)
+            self.runner = ModelRunner(model, kv, block_size)
+        self.device_name = describe(self.device)
         self.model_name = config.served_model_name or model_cfg.name
         self._tracked: dict[str, _Tracked] = {}
         self._eos = frozenset(self.tokenizer.eos_token_ids) if self.tokenizer else frozenset()
@@ -118,8 +162,10 @@ class LLMEngine:
         self._last_step_end = time.time()
         self._idle = True  # no work left after the last step: the next one's interval starts with it
         log.info(
-            "engine ready: model=%s dtype=%s max_model_len=%d kv_blocks=%d x %d tokens",
-            self.model_name, dtype, self.max_model_len, num_blocks, block_size,
+            "engine ready: model=%s device=%s attention=%s dtype=%s max_model_len=%d kv_blocks=%d x %d tokens"
+            " swap_blocks=%d preemption=%s",
+            self.model_name, self.device_name, self.attention_backend_name, dtype, self.max_model_len, num_blocks,
+            block_size, num_swap, config.cache.preemption_mode if num_swap else "recompute",
         )
 
     # ----- requests --------------------------------------------------------------------
@@ -185,6 +231,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.time()
         sched = self.scheduler.schedule()
+        if self.host_kv is not None:  # before the forward: swap-outs first, then swap-ins (swap.py)
+            copy_blocks(self.runner.kv_cache, self.host_kv, sched.swap_out)
+            copy_blocks(self.host_kv, self.runner.kv_cache, sched.swap_in)
         if sched.is_empty:
             return []
         result = self.runner.execute(sched, self.kv_cache.block_table)

@@ -31,6 +31,24 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [S, max_blocks] int64, padded with 0 past each sequence's blocks
     logits_indices: torch.Tensor  # [S'] int64: indices into T whose logits the runner wants
     block_size: int
+    # context_lens as an int64 tensor on the batch's device; set by `to()` (a device step must not build
+    # it from the list inside a CUDA graph), None on the CPU path.
+    context_lens_tensor: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The same batch with its tensors on `device`: one host-to-device copy each, no sync."""
+        return ForwardBatch(
+            input_ids=self.input_ids.to(device, non_blocking=True),
+            positions=self.positions.to(device, non_blocking=True),
+            slot_mapping=self.slot_mapping.to(device, non_blocking=True),
+            query_starts=self.query_starts,
+            query_lens=self.query_lens,
+            context_lens=self.context_lens,
+            block_tables=self.block_tables.to(device, non_blocking=True),
+            logits_indices=self.logits_indices.to(device, non_blocking=True),
+            block_size=self.block_size,
+            context_lens_tensor=torch.tensor(self.context_lens, dtype=torch.int64).to(device, non_blocking=True),
+        )
 
     @property
     def num_seqs(self) -> int:
@@ -62,9 +80,21 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        pin_memory: bool = False,
     ) -> KVCache:
+        """`pin_memory`: page-locked host memory, for a host pool that a GPU copies to and from."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        if pin_memory:
+            return cls(
+                k=[torch.zeros(shape, dtype=dtype).pin_memory() for _ in range(num_layers)],
+                v=[torch.zeros(shape, dtype=dtype).pin_memory() for _ in range(num_layers)],
+            )
         return cls(
-            k=[torch.zeros(shape, dtype=dtype) for _ in range(num_layers)],
-            v=[torch.zeros(shape, dtype=dtype) for _ in range(num_layers)],
+            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
         )
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.k[0].shape[0])

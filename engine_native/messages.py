@@ -147,6 +147,8 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     max_model_len: int
     kv_blocks_total: int
     block_size: int
+    device: str = "cpu"  # e.g. "cuda:0 (NVIDIA H200)"
+    attention_backend: str = "native"  # model/attention_backends.py
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

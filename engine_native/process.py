@@ -68,6 +68,8 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
             max_model_len=engine.max_model_len,
             kv_blocks_total=engine.kv_cache.num_blocks,
             block_size=engine.kv_cache.block_size,
+            device=engine.device_name,
+            attention_backend=engine.attention_backend_name,
         )
     )
     send(engine.stats())  # so that clients see the pool before the first request

@@ -6,8 +6,10 @@ budget and the per-request chunk limit. Running requests go first (decodes
 and unfinished prefill chunks), then waiting ones join while budget, the
 running-sequence cap and KV blocks allow. When a running request cannot get
 blocks, the least important running request (highest priority value, latest
-arrival) is preempted by recompute: its blocks are freed and it goes back to
-the waiting queue with `num_computed_tokens = 0`.
+arrival) is preempted: by recompute (its blocks are freed and it goes back to
+the waiting queue with `num_computed_tokens = 0`), or, with a host swap pool
+(swap.py), by swap (its KV blocks are copied to the host pool and it keeps its
+progress; admitted again, it gets fresh device blocks and the copies back).
 
 A request samples a token only in a step that computes up to its last known
 token; so recompute after preemption never repeats or drops a token.
@@ -25,6 +27,7 @@ from engine_native.kv_cache_manager import KVCacheManager, cdiv
 from engine_native.request import Request, RequestStatus
 from engine_native.sampler import TokenLogprobs
 from engine_native.stop import check_stop_token
+from engine_native.swap import BlockCopies, SwapPolicy
 
 
 @dataclass
@@ -47,6 +50,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # KV block copies to issue before this step's forward, swap-outs first (swap.py).
+    swap_out: BlockCopies = field(default_factory=list)  # (device block, host block)
+    swap_in: BlockCopies = field(default_factory=list)  # (host block, device block)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -81,8 +87,20 @@ def _victim_order(request: Request) -> tuple[int, float]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        swap: SwapPolicy | None = None,
+    ) -> None:
+        """`swap`: preempt to a host pool where it says so; None: every preemption recomputes."""
         self.config = config
+        self.swap = swap
+        self.num_swaps = 0  # preemptions that swapped out instead of recomputing
+        self._swap_out: BlockCopies = []
+        self._swap_in: BlockCopies = []
+        self._swapped_in_now: set[str] = set()
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.fair_share = FairShare(config.tenant_weights)
@@ -136,6 +154,8 @@ class Scheduler:
         request.status = status
         request.finish_time = time.time()
         self.kv_cache.free(request_id)
+        if self.swap is not None:
+            self.swap.space.free(request_id)
         return request
 
     @property
@@ -145,6 +165,15 @@ class Scheduler:
     # ----- one step --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.swap is not None:
+            self.swap.space.end_step()  # the last step's copies were issued before its forward
+        out = self._schedule()
+        out.swap_out, out.swap_in = self._swap_out, self._swap_in
+        self._swap_out, self._swap_in = [], []
+        self._swapped_in_now.clear()
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Most important first, so the tail holds the preemption victims.
@@ -199,12 +228,17 @@ class Scheduler:
                     return
                 budget += restored
                 continue
-            # Waiting requests hold nothing (new or preempted): they start from their cached prefix.
+            # Waiting requests hold no device blocks (new, preempted, swapped out): a swapped one resumes
+            # where it stopped, the others start from their cached prefix.
+            swapped = self.swap is not None and self.swap.space.holds(request.request_id)
             cached: list[int] = []
-            if self.kv_cache.enable_prefix_caching:
-                all_tokens = request.token_ids_slice(0, request.num_tokens)
-                cached = self.kv_cache.find_cached_prefix(all_tokens, self.kv_cache.salt(request.tenant_id))
-            start = len(cached) * self.kv_cache.block_size
+            if swapped:
+                start = request.num_computed_tokens
+            else:
+                if self.kv_cache.enable_prefix_caching:
+                    all_tokens = request.token_ids_slice(0, request.num_tokens)
+                    cached = self.kv_cache.find_cached_prefix(all_tokens, self.kv_cache.salt(request.tenant_id))
+                start = len(cached) * self.kv_cache.block_size
             n_new = min(request.num_tokens - start, chunk_cap, budget)
             if self.kv_cache.allocate_slots(request.request_id, start + n_new, cached) is None:
                 restored = self._preempt_less_important(request, out)
@@ -212,8 +246,13 @@ class Scheduler:
                     return
                 budget += restored
                 continue
+            if swapped:
+                assert self.swap is not None
+                table = self.kv_cache.block_table(request.request_id)
+                self._swap_in.extend(self.swap.space.swap_in(request.request_id, table))
+                self._swapped_in_now.add(request.request_id)
             request.num_computed_tokens = start
-            if self.kv_cache.enable_prefix_caching:
+            if self.kv_cache.enable_prefix_caching and not swapped:
                 self.kv_cache.record_prefix_lookup(request.num_tokens, start)
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
@@ -243,13 +282,34 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        if not self._swap_out_blocks(request):
+            request.num_computed_tokens = 0
         self.kv_cache.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.preemption_times.append(time.time())
         self.num_preemptions += 1
         self.waiting.push(request)
+
+    def _swap_out_blocks(self, request: Request) -> bool:
+        """Record the copies of the request's computed blocks to the host pool, when the policy says
+        swap; False: it recomputes. One swapped in this very step recomputes instead: its copies
+        back have not run, so its device blocks hold nothing yet (they are dropped)."""
+        rid = request.request_id
+        table = self.kv_cache.block_table(rid)
+        if rid in self._swapped_in_now:
+            mine = set(table)
+            self._swap_in = [(h, d) for h, d in self._swap_in if d not in mine]
+            return False
+        computed = table[: cdiv(request.num_computed_tokens, self.kv_cache.block_size)]
+        if self.swap is None or not self.swap.should_swap(request.num_computed_tokens, len(computed)):
+            return False
+        copies = self.swap.space.swap_out(rid, computed)
+        if copies is None:
+            return False
+        self._swap_out.extend(copies)
+        self.num_swaps += 1
+        return True
 
     def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[TokenUpdate]:
         updates: list[TokenUpdate] = []

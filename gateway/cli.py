@@ -104,6 +104,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         help="weight/activation dtype; default: the engine's (auto: bfloat16 only on CPUs with native bf16, "
         "AVX-512 BF16 or AMX)"
     )
+    p.add_argument(
+        "--device", default=None, choices=["auto", "cpu", "cuda"],
+        help="where the native engine computes; default: the engine's (auto: cuda when torch sees a GPU, "
+        "which the default CPU build of torch never does; docs/engine.md, GPU)"
+    )
+    p.add_argument(
+        "--attention-backend", default=None, choices=["auto", "native", "sdpa", "flashinfer"],
+        help="paged attention of the native engine; default auto: native on CPU, flashinfer on CUDA when "
+        "installed, else sdpa"
+    )
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="cap on sequences running in one engine step; default: the engine's")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -279,6 +289,8 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         model=args.model,
         served_model_name=args.served_model_name,
         dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
         num_threads=args.num_threads,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -14,6 +14,7 @@ import torch
 
 from engine_native.config import ModelConfig
 from engine_native.forward_batch import ForwardBatch, KVCache
+from engine_native.model.attention_backends import AttentionBackend
 
 
 class ModelLoadError(Exception):
@@ -30,6 +31,8 @@ class UnsupportedArchitectureError(ModelLoadError):
 
 class CausalLM(Protocol):
     config: ModelConfig
+    # How its layers attend (model/attention_backends.py); None: the model's own CPU path.
+    attention_backend: AttentionBackend | None
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Write the new tokens' K/V into `kv_cache`, return float32 logits
@@ -44,6 +47,10 @@ class CausalLM(Protocol):
     def pack_dense(self, batch_hint: int = 32) -> int:
         """Lay the dense weights out for the host's GEMM library once, where that is faster and
         changes no result; returns how many matrices were (0 where it does not apply)."""
+        ...
+
+    def place_on(self, device: torch.device) -> None:
+        """Move every weight and table the forward reads to `device`."""
         ...
 
 

@@ -30,6 +30,7 @@ from engine_native.config import ModelConfig
 from engine_native.forward_batch import ForwardBatch, KVCache
 from engine_native.kernels import cpu_kernels
 from engine_native.model.attention import AttentionPlan, paged_attention, write_kv
+from engine_native.model.attention_backends import AttentionBackend, StepAttention
 from engine_native.model.base import ModelLoadError
 from engine_native.model.quant import (
     Q41Weight,
@@ -70,6 +71,8 @@ def kernels_take_bf16_cache() -> bool:
 def cache_in_kernels(cache: torch.Tensor) -> bool:
     """Whether the C++ kernels take this layer's cache: fp32 anywhere they run, bf16 where built with
     AVX-512 (and a head_dim that is a multiple of 16)."""
+    if cache.device.type != "cpu":
+        return False
     if cache.dtype == torch.float32:
         return kernels_available()
     return cache.dtype == torch.bfloat16 and cache.shape[-1] % 16 == 0 and kernels_take_bf16_cache()
@@ -166,7 +169,7 @@ class DecoderLayer(nn.Module):
         slots: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        plan: AttentionPlan,
+        plan: AttentionPlan | StepAttention,
     ) -> torch.Tensor:
         """x: the float32 residual stream [T, hidden]."""
         cfg = self.config
@@ -177,7 +180,10 @@ class DecoderLayer(nn.Module):
             qkv = self._linear(h, "qkv_weight", self.qkv_bias)
             q = kernels.rope_write_kv(qkv, cos.view(t, -1), sin.view(t, -1), k_cache, v_cache, slots,
                                       cfg.num_heads, cfg.num_kv_heads)
-            attn = paged_attention(q, k_cache, v_cache, plan)
+            if isinstance(plan, AttentionPlan):
+                attn = paged_attention(q, k_cache, v_cache, plan)
+            else:  # another backend (model/attention_backends.py)
+                attn = plan.attend(q, k_cache, v_cache)
             h = kernels.add_rms_norm(x, self._linear(attn.reshape(t, self.q_size), "o_weight"), self.post_norm,
                                      cfg.rms_norm_eps)
             act = kernels.silu_mul(self._linear(h, "gate_up_weight"))
@@ -188,7 +194,10 @@ class DecoderLayer(nn.Module):
         q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         write_kv(k_cache, v_cache, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), slots)
-        attn = paged_attention(q, k_cache, v_cache, plan)
+        if isinstance(plan, AttentionPlan):
+            attn = paged_attention(q, k_cache, v_cache, plan)
+        else:  # another backend (model/attention_backends.py)
+            attn = plan.attend(q, k_cache, v_cache)
         x = x + self._linear(attn.reshape(t, self.q_size), "o_weight")
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, cfg.rms_norm_eps)
         gate, up = self._linear(h, "gate_up_weight").chunk(2, dim=-1)
@@ -223,6 +232,8 @@ class LlamaForCausalLM(nn.Module):
         self.quantized_max_rows = 0
         self._fused: Any | None = None  # kernels.FusedDecoder, built at the first step that can use it
         self._fused_key: int | None = None
+        # None: model/attention.py's CPU path (and the fused decoder); else the backend chosen at start.
+        self.attention_backend: AttentionBackend | None = None
         self.rope = RotaryTable(  # fp32 like every activation (and the fused decoder reads it)
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, torch.float32
         )
@@ -294,6 +305,11 @@ class LlamaForCausalLM(nn.Module):
             self.rope.cos, self.rope.sin,
         )
 
+    def place_on(self, device: torch.device) -> None:
+        """Move the weights and the RoPE table to `device` (the engine does this once, before the KV pool)."""
+        self.to(device)
+        self.rope.cos, self.rope.sin = self.rope.cos.to(device), self.rope.sin.to(device)
+
     def use_decode_kernel(self, kv_cache: KVCache) -> bool:
         """Whether decodes attend through Sluice's C++ kernel (an fp32 cache, or a bf16 one on AVX-512)."""
         return cache_in_kernels(kv_cache.k[0])
@@ -312,16 +328,21 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:  # type: ignore[override]
-        if int(batch.positions.max()) >= self.rope.max_positions:
+        # The last position of a sequence is its context length - 1: read on the host, never a device sync.
+        if max(batch.context_lens) > self.rope.max_positions:
             raise ValueError(f"position beyond max_position_embeddings={self.rope.max_positions}")
-        fused = self._fused_for(batch, kv_cache)
+        fused = self._fused_for(batch, kv_cache) if self.attention_backend is None else None
         if fused is not None:
             x = F.embedding(batch.input_ids, self.embed).float()
             context_lens = torch.tensor(batch.context_lens, dtype=torch.int64)
             logits: torch.Tensor = fused.forward(x, batch.positions, batch.slot_mapping, batch.block_tables,
                                                  context_lens)
             return logits
-        plan = AttentionPlan.from_batch(batch, decode_kernel=self.use_decode_kernel(kv_cache))
+        plan: AttentionPlan | StepAttention
+        if self.attention_backend is not None:
+            plan = self.attention_backend.plan(batch, kv_cache)
+        else:
+            plan = AttentionPlan.from_batch(batch, decode_kernel=self.use_decode_kernel(kv_cache))
         cos, sin = self.rope.lookup(batch.positions)
         x = F.embedding(batch.input_ids, self.embed).float()
         for i, layer in enumerate(self.layers):

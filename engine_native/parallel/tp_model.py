@@ -34,6 +34,7 @@ from torch import nn
 from engine_native.config import ModelConfig
 from engine_native.forward_batch import ForwardBatch, KVCache
 from engine_native.model.attention import AttentionPlan
+from engine_native.model.attention_backends import AttentionBackend
 from engine_native.model.llama import DecoderLayer, cache_in_kernels
 from engine_native.model.rope import RotaryTable
 from engine_native.parallel.comm import CollectiveClock
@@ -72,6 +73,7 @@ class TensorParallelLlama(nn.Module):
         self.dtype = dtype
         self.placement = placement
         self.clock = clock
+        self.attention_backend: AttentionBackend | None = None  # the layers' own CPU path
         tp_group = placement.tp_group()
         self.embed: torch.Tensor | None = weights.get("model.embed_tokens.weight")
         layers = []
@@ -94,6 +96,10 @@ class TensorParallelLlama(nn.Module):
 
     def pack_dense(self, batch_hint: int = 32) -> int:
         return 0  # plain dense weights: the TP shards are not pre-packed (yet)
+
+    def place_on(self, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError("a tensor-parallel engine runs on the CPU (gloo) only so far")
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:  # type: ignore[override]

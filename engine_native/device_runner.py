@@ -1,0 +1,53 @@
+"""The model as the runner sees it on an accelerator.
+
+`ModelRunner` builds each step's `ForwardBatch` on the host and samples on the host, as on CPU;
+`DeviceForward` stands between it and the model: it moves the batch to the device (one copy per
+tensor, no sync), replays a CUDA graph for a pure-decode step that fits one (cuda_graphs.py) or runs
+the model eagerly, and brings the logits back. That copy back is the step's one device sync: the
+sampler, its per-request generators and the token bookkeeping stay on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_native.config import ModelConfig
+from engine_native.cuda_graphs import DecodeGraphs
+from engine_native.forward_batch import ForwardBatch, KVCache
+from engine_native.model.attention_backends import AttentionBackend
+from engine_native.model.base import CausalLM
+
+
+class DeviceForward:
+    """Implements `CausalLM` over a model that lives on `device`."""
+
+    def __init__(self, model: CausalLM, device: torch.device, graphs: DecodeGraphs | None = None) -> None:
+        self.model = model
+        self.device = device
+        self.graphs = graphs
+        self.config: ModelConfig = model.config
+
+    @property
+    def attention_backend(self) -> AttentionBackend | None:
+        return self.model.attention_backend
+
+    @attention_backend.setter
+    def attention_backend(self, backend: AttentionBackend | None) -> None:
+        self.model.attention_backend = backend
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.model.forward(batch.to(self.device), kv_cache)
+        return logits.float().cpu()
+
+    def enable_quantized(self, max_rows: int) -> int:
+        return 0  # the quantized blocks are a CPU kernel's
+
+    def pack_dense(self, batch_hint: int = 32) -> int:
+        return 0  # oneDNN's packed layout is a CPU GEMM's
+
+    def place_on(self, device: torch.device) -> None:
+        self.model.place_on(device)
+        self.device = device

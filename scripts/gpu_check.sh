@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The engine on a GPU, proven in one run of under 10 minutes on a bare GPU machine (an H200 lent
+# through the device tool: its image has CUDA torch, transformers, pytest; nothing can be fetched).
+#
+#   here:   scripts/gpu_wheels.sh                      # msgspec + gguf wheels into .whl/ (git-ignored)
+#   device: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#
+# 1. installs what the image lacks: the wheels in .whl/ if carried, else from a registry if one answers;
+# 2. runs the engine's parity tests on CUDA (tests/engine/test_gpu_parity.py: greedy vs Hugging Face in
+#    fp32 and bf16, sdpa and flashinfer backends, CUDA graphs on and off, swap-to-host), plus the CPU
+#    tests of the same seams;
+# 3. runs the throughput benchmark at 1 / 32 / 256 streams, with CUDA graphs and eagerly.
+# Figures land in $OUT (gpu_check.txt: the summary; gpu_throughput*.json; gpu_check.log: everything).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+LOG=$OUT/gpu_check.log
+SUMMARY=$OUT/gpu_check.txt
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
+export SLUICE_KERNELS=0  # the C++ CPU kernels: not what is measured here, and their build takes minutes
+started=$(date +%s)
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+: >"$SUMMARY"
+note "== gpu_check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$SUMMARY"
+
+# --- 1. install ----------------------------------------------------------------------------------
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >>"$LOG" 2>&1 && export PYTHONPATH=$PWD:/tmp/site
+else
+    timeout 120 "$PY" -m pip install -q msgspec gguf >>"$LOG" 2>&1 || note "no .whl/ and no registry: msgspec/gguf may be missing"
+fi
+"$PY" - <<'PY' 2>&1 | tee -a "$SUMMARY"
+import importlib.util, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+print("flashinfer", "installed" if importlib.util.find_spec("flashinfer") else "absent: sdpa backend only")
+for m in ("msgspec", "gguf", "transformers"):
+    print(m, "ok" if importlib.util.find_spec(m) else "MISSING")
+PY
+
+# --- 2. parity -----------------------------------------------------------------------------------
+note "== parity (pytest)"
+timeout 270 "$PY" -m pytest -q -s -p no:cacheprovider -o addopts="" \
+    tests/engine/test_gpu_parity.py tests/engine/test_attention_backends.py tests/engine/test_swap.py \
+    tests/engine/test_device.py 2>&1 | tee -a "$LOG" | grep -E "passed|failed|error|agreement|SKIPPED|FAILED" \
+    | tee -a "$SUMMARY"
+note "parity exit: ${PIPESTATUS[0]}"
+
+# --- 3. throughput -------------------------------------------------------------------------------
+for mode in graphs eager; do
+    left=$((570 - ($(date +%s) - started)))
+    if [ "$left" -lt 60 ]; then note "throughput ($mode): skipped, ${left}s left"; continue; fi
+    flag=""; [ "$mode" = eager ] && flag="--no-graphs"
+    note "== throughput ($mode): 1 / 32 / 256 streams x (128 prompt + 128 output), SmolLM2-135M shape, bf16"
+    timeout $((left - 30)) "$PY" -m benchmarks.gpu_throughput --device cuda --streams 1 32 256 $flag \
+        --out "$OUT/gpu_throughput_$mode.json" 2>&1 | tee -a "$LOG" | grep -E '^\{' | tee -a "$SUMMARY"
+    note "throughput ($mode) exit: ${PIPESTATUS[0]}"
+done
+note "== done in $(($(date +%s) - started)) s"
