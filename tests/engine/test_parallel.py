@@ -143,9 +143,9 @@ def smollm2_tp1() -> list[list[int]]:
 
 
 # SmolLM2-135M: 9 heads, 3 KV heads. At TP 2 the KV head of the middle group is on both ranks and
-# each rank pads a group with zero heads; PP 2: 15 + 15 layers. (TP 3, one whole group per rank, runs
-# on a tiny model of the same head geometry below: every SmolLM2 rank dequantizes the whole file.)
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+# each rank pads a group with zero heads; at TP 3 each rank holds one whole group; PP 2: 15 + 15
+# layers. (TP 3 is the slowest: every rank dequantizes the whole embedding.)
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (3, 1), (1, 2)])
 def test_bundled_smollm2_greedy_tokens_equal_tp1(smollm2_tp1: list[list[int]], tp: int, pp: int) -> None:
     assert _smollm2_greedy(tp, pp) == smollm2_tp1
 
