@@ -93,7 +93,7 @@ class LLMEngine:
         if num_quantized:
             log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices",
                      config.quantized_max_rows, num_quantized)
-        if config.pack_weights and (num_packed := self.loaded.model.pack_dense()):
+        if config.pack_weights and on_cpu and (num_packed := self.loaded.model.pack_dense()):
             log.info("%d dense weight matrices pre-packed for oneDNN", num_packed)
         # The quantized steps (and the fused decoder among them) attend through Sluice's kernels, which
         # take an fp32 cache anywhere and a bf16 one on AVX-512; bf16 halves the bytes a decode reads.
