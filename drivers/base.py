@@ -204,6 +204,11 @@ class NodeEvent(msgspec.Struct, frozen=True):
     reason: str
 
 
+def milliseconds(seconds: float | None) -> float | None:
+    """A latency in seconds as NodeInfo's milliseconds (3 decimals); None stays None."""
+    return round(seconds * 1000, 3) if seconds is not None else None
+
+
 class NodesReport(msgspec.Struct, frozen=True):
     nodes: list[NodeInfo]
     events: list[NodeEvent]

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from drivers.base import InvalidRequestError, NodeEvent, NodeInfo, NodesReport
+from drivers.base import InvalidRequestError, NodeEvent, NodeInfo, NodesReport, milliseconds
 from engine_native.client import AsyncEngineClient
 from engine_native.messages import RequestOutput
 from observability.node_health import NodeHealthConfig, NodeHealthMonitor, NodeStatus
@@ -126,9 +126,9 @@ class NodeRouter:
                 kv_blocks_used=s.kv_blocks_used if s else 0,
                 kv_blocks_total=s.kv_blocks_total if s else 0,
                 tokens_per_s=round(s.generation_tokens_per_s, 2) if s else 0.0,
-                itl_p50_ms=_ms(a.itl_p50_s),
-                itl_p99_ms=_ms(a.itl_p99_s),
-                ttft_p50_ms=_ms(a.ttft_p50_s),
+                itl_p50_ms=milliseconds(a.itl_p50_s),
+                itl_p99_ms=milliseconds(a.itl_p99_s),
+                ttft_p50_ms=milliseconds(a.ttft_p50_s),
                 reason=a.reason,
                 since=a.since,
                 preemptions=s.num_preemptions if s else 0,
@@ -171,6 +171,3 @@ class NodeRouter:
                 "node %s", event.kind, extra={"node": event.node, "event": str(event.kind), "reason": event.reason}
             )
 
-
-def _ms(seconds: float | None) -> float | None:
-    return round(seconds * 1000, 3) if seconds is not None else None

@@ -15,7 +15,7 @@ no, with an `ErrorKind` that says whether another worker may say yes).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import httpx
@@ -51,6 +51,43 @@ class WorkerRefused(Exception):
         self.kind, self.param, self.retry_after = kind, param, retry_after
 
 
+class TokenClock:
+    """Reads a response's bytes within the first-token deadline, then within the inter-token one
+    from each token on (`token_came`); bytes without a token (keepalives) move no deadline."""
+
+    def __init__(self, raw: AsyncIterator[bytes], address: str, timeouts: FleetTimeouts) -> None:
+        self._raw, self._address, self._timeouts = raw, address, timeouts
+        self._loop = asyncio.get_running_loop()
+        self._due = self._loop.time() + timeouts.first_token_s
+
+    async def read(self) -> bytes:
+        try:
+            async with asyncio.timeout_at(self._due):
+                return await anext(self._raw)
+        except StopAsyncIteration:
+            raise WorkerLost(f"{self._address}: the stream ended before the request finished") from None
+        except TimeoutError:
+            raise WorkerLost(f"{self._address}: no token within the token timeout") from None
+
+    def token_came(self) -> None:
+        self._due = self._loop.time() + self._timeouts.inter_token_s
+
+
+def lost(exc: Exception, address: str, timeouts: FleetTimeouts) -> WorkerLost:
+    """The one reading of a transport failure: what it says about the node."""
+    if isinstance(exc, httpx.ConnectError):
+        return WorkerLost(f"cannot connect to {address}: {exc}", definite=True)
+    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+        return WorkerLost(f"{address}: no connection within {timeouts.connect_s} s ({type(exc).__name__})")
+    if isinstance(exc, httpx.TimeoutException):
+        return WorkerLost(f"{address}: silent for {timeouts.stall_s} s ({type(exc).__name__})")
+    return WorkerLost(f"{address}: {type(exc).__name__} {exc}")
+
+
+# What `lost` reads: transport failures, and bodies that are not the protocol's.
+TRANSPORT_ERRORS = (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError)
+
+
 class WorkerClient:
     def __init__(self, secret: str | None, timeouts: FleetTimeouts, verify: bool | str = True) -> None:
         self.timeouts = timeouts
@@ -69,10 +106,8 @@ class WorkerClient:
     async def tokenize(self, address: str, request: wire.TokenizeRequest) -> list[int]:
         try:
             response = await self.http.post(address + wire.TOKENIZE_PATH, content=msgspec.json.encode(request))
-        except httpx.ConnectError as exc:
-            raise WorkerLost(f"cannot connect to {address}: {exc}", definite=True) from exc
         except httpx.HTTPError as exc:
-            raise WorkerLost(f"{address}: {type(exc).__name__} {exc}") from exc
+            raise lost(exc, address, self.timeouts) from exc
         if response.status_code != 200:
             raise _refusal(response.status_code, response.content, address)
         return msgspec.json.decode(response.content, type=wire.TokenizeResponse).token_ids
@@ -82,7 +117,6 @@ class WorkerClient:
     ) -> AsyncGenerator[wire.TokensEvent, None]:
         """The request's token events up to the one with `finish_reason`; closing it early closes the
         connection, which aborts the request on the worker."""
-        t = self.timeouts
         body = msgspec.json.encode(request)
         try:
             async with self.http.stream("POST", address + wire.GENERATE_PATH, content=body, headers=headers) as response:
@@ -90,18 +124,10 @@ class WorkerClient:
                     raise _refusal(response.status_code, await response.aread(), address)
                 # A read holds one frame or several (a frame holds every token the worker had ready):
                 # all complete lines of it are decoded by msgspec in one call, straight from bytes.
-                raw = response.aiter_raw()
+                clock = TokenClock(response.aiter_raw(), address, self.timeouts)
                 buffer = b""
-                loop = asyncio.get_running_loop()
-                due = loop.time() + t.first_token_s
                 while True:
-                    try:
-                        async with asyncio.timeout_at(due):
-                            buffer += await anext(raw)
-                    except StopAsyncIteration:
-                        raise WorkerLost(f"{address}: the stream ended before the request finished") from None
-                    except TimeoutError:
-                        raise WorkerLost(f"{address}: no token within the token timeout") from None
+                    buffer += await clock.read()
                     end = buffer.rfind(b"\n") + 1
                     if not end:
                         continue
@@ -115,15 +141,9 @@ class WorkerClient:
                         if event.finish_reason is not None:
                             return
                         if event.token_ids:
-                            due = loop.time() + t.inter_token_s
-        except httpx.ConnectError as exc:
-            raise WorkerLost(f"cannot connect to {address}: {exc}", definite=True) from exc
-        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            raise WorkerLost(f"{address}: no connection within {t.connect_s} s ({type(exc).__name__})") from exc
-        except httpx.TimeoutException as exc:
-            raise WorkerLost(f"{address}: silent for {t.stall_s} s ({type(exc).__name__})") from exc
-        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise WorkerLost(f"{address}: {type(exc).__name__} {exc}") from exc
+                            clock.token_came()
+        except TRANSPORT_ERRORS as exc:
+            raise lost(exc, address, self.timeouts) from exc
 
 
 def _refusal(status: int, content: bytes, address: str) -> Exception:

@@ -1,7 +1,8 @@
 """Which worker gets a request: filter, then score, then pick.
 
-    filter   READY, serves the model, circuit not open, not stalled or dead by node health,
-             not already tried by this request; sluggish workers only when no healthy one is left
+    filter   READY and serves the model, then the fleet's filter (`routing`): circuit not open,
+             not stalled or dead by node health, not already tried by this request; sluggish
+             workers only when no healthy one is left
     score    load = max(streams the worker reported open, streams this router has open there)
                     + its KV usage (0..1), so a heartbeat's lag never hides what we just sent
     pick     round-robin     the next candidate in id order
@@ -27,9 +28,11 @@ from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from drivers.fleet.breaker import CircuitBreaker
+from drivers.fleet.routing import NodeFilter, NoWorkerError
 from drivers.fleet.wire import WorkerInfo, WorkerState
-from observability.node_health import NodeHealthMonitor, NodeStatus
+from observability.node_health import NodeHealthMonitor
+
+__all__ = ["FleetRouter", "HashRing", "NoWorkerError", "Policy", "RouterConfig", "prefix_key", "stable_hash"]
 
 
 class Policy(enum.StrEnum):
@@ -50,10 +53,6 @@ class RouterConfig:
     """Bounded load of prefix affinity: no worker takes more than this times the mean (plus one)."""
     virtual_nodes: int = 100
     """Points per worker on the hash ring (evens out the arcs)."""
-
-
-class NoWorkerError(Exception):
-    """No worker passes the filter; the message says why each was left out."""
 
 
 def stable_hash(data: bytes) -> int:
@@ -91,12 +90,21 @@ class HashRing:
         return list(seen)
 
 
-class FleetRouter:
+def _unfit(info: WorkerInfo, model: str) -> str | None:
+    if info.state is not WorkerState.READY:
+        return str(info.state)
+    if not any(card.id == model for card in info.models):
+        return "does not serve the model"
+    return None
+
+
+class FleetRouter(NodeFilter):
+    noun = "worker"
+    nobody = "no worker has joined"
+
     def __init__(self, config: RouterConfig, monitor: NodeHealthMonitor) -> None:
+        super().__init__(monitor)
         self.config = config
-        self.monitor = monitor
-        self.breakers: dict[str, CircuitBreaker] = {}
-        self.in_flight: dict[str, int] = {}  # streams this router has open, by worker
         self._ring = HashRing([], config.virtual_nodes)
         self._turn = 0
 
@@ -107,34 +115,8 @@ class FleetRouter:
     def candidates(
         self, view: Mapping[str, WorkerInfo], model: str, now: float, exclude: Iterable[str] = ()
     ) -> list[WorkerInfo]:
-        """The filter; raises NoWorkerError naming why each worker is out."""
-        excluded = set(exclude)
-        healthy: list[WorkerInfo] = []
-        sluggish: list[WorkerInfo] = []
-        why: dict[str, str] = {}
-        for wid in sorted(view):
-            info = view[wid]
-            breaker = self.breakers.get(wid)
-            status = self.monitor.status(wid) if wid in self.breakers else NodeStatus.HEALTHY
-            if wid in excluded:
-                why[wid] = "already tried"
-            elif info.state is not WorkerState.READY:
-                why[wid] = str(info.state)
-            elif not any(card.id == model for card in info.models):
-                why[wid] = "does not serve the model"
-            elif breaker is not None and not breaker.allows(now):
-                why[wid] = "circuit open"
-            elif status in (NodeStatus.STALLED, NodeStatus.DEAD):
-                why[wid] = str(status)
-            elif status is NodeStatus.SLUGGISH:
-                sluggish.append(info)
-            else:
-                healthy.append(info)
-        chosen = healthy or sluggish
-        if not chosen:
-            detail = "; ".join(f"{w}: {r}" for w, r in why.items()) or "no worker has joined"
-            raise NoWorkerError(f"no worker can take the request ({detail})")
-        return chosen
+        """The filter (`NodeFilter.filter`); `now` on the breakers' clock (time.monotonic())."""
+        return self.filter(((wid, _unfit(view[wid], model), view[wid]) for wid in sorted(view)), now, exclude)
 
     def pick(
         self, candidates: list[WorkerInfo], prompt: list[int], tenant_id: str | None, members: Iterable[str] = ()

@@ -11,7 +11,6 @@ with an `ErrorKind` that says whether another server may say yes), the fleet's t
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from drivers.fleet.client import FleetTimeouts, WorkerLost, WorkerRefused
+from drivers.fleet.client import TRANSPORT_ERRORS, FleetTimeouts, TokenClock, WorkerLost, WorkerRefused, lost
 from drivers.fleet.wire import ErrorKind
 from drivers.sglang import protocol
 from drivers.sglang.protocol import GenerateOut
@@ -56,10 +55,8 @@ class SGLangClient:
         try:
             response = await self.http.post(address + protocol.TOKENIZE_PATH,
                                             json={"prompt": text, "add_special_tokens": add_special_tokens})
-        except httpx.ConnectError as exc:
-            raise WorkerLost(f"cannot connect to {address}: {exc}", definite=True) from exc
         except httpx.HTTPError as exc:
-            raise WorkerLost(f"{address}: {type(exc).__name__} {exc}") from exc
+            raise lost(exc, address, self.timeouts) from exc
         if response.status_code != 200:
             raise refusal(response.status_code, response.content, response.headers, address)
         tokens = response.json().get("tokens")
@@ -76,23 +73,14 @@ class SGLangClient:
     async def stream(self, address: str, body: dict[str, Any]) -> AsyncGenerator[GenerateOut, None]:
         """The request's outputs up to the one with a finish reason; closing it early closes the
         connection, which aborts the request on the server."""
-        t = self.timeouts
         try:
             async with self.http.stream("POST", address + protocol.GENERATE_PATH, json=body) as response:
                 if response.status_code != 200:
                     raise refusal(response.status_code, await response.aread(), response.headers, address)
-                raw = response.aiter_raw()
+                clock = TokenClock(response.aiter_raw(), address, self.timeouts)
                 buffer = b""
-                loop = asyncio.get_running_loop()
-                due = loop.time() + t.first_token_s
                 while True:
-                    try:
-                        async with asyncio.timeout_at(due):
-                            buffer += await anext(raw)
-                    except StopAsyncIteration:
-                        raise WorkerLost(f"{address}: the stream ended before the request finished") from None
-                    except TimeoutError:
-                        raise WorkerLost(f"{address}: no output within the token timeout") from None
+                    buffer += await clock.read()
                     *events, buffer = buffer.split(b"\n\n")
                     for event in events:
                         data = _sse_data(event)
@@ -107,11 +95,9 @@ class SGLangClient:
                         yield out
                         if out.meta_info.finish_reason is not None:
                             return
-                        due = loop.time() + t.inter_token_s
-        except httpx.ConnectError as exc:
-            raise WorkerLost(f"cannot connect to {address}: {exc}", definite=True) from exc
-        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise WorkerLost(f"{address}: {type(exc).__name__} {exc}") from exc
+                        clock.token_came()
+        except TRANSPORT_ERRORS as exc:
+            raise lost(exc, address, self.timeouts) from exc
 
 
 def _sse_data(event: bytes) -> bytes | None:

@@ -1,7 +1,5 @@
-"""The SGLang driver: the `Driver` seam over SGLang servers' native HTTP API, with cache-aware
-routing and failover.
-
-One request's life (`generate`):
+"""The SGLang driver: the `Driver` seam over SGLang servers' native HTTP API, as a node kind of the
+fleet: cache-aware routing here, the failover loop the fleet's (`drivers/fleet/routed`).
 
     prompt ids --router (KV events | approximate tree, load guard)--> server A /generate (stream)
                                        A ==outputs o1..ok==> StreamDelta ==chunks==> client
@@ -20,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -28,22 +26,19 @@ import jinja2
 import msgspec
 
 from drivers.base import (
-    Driver,
-    DriverError,
     DriverHealth,
-    EngineDeadError,
     GenerationChunk,
     GenerationRequest,
-    InvalidRequestError,
     ModelCard,
     ModelNotFoundError,
     NodeEvent,
     NodeInfo,
     NodesReport,
     OverloadedError,
+    milliseconds,
 )
-from drivers.fleet.breaker import CircuitBreaker
 from drivers.fleet.client import WorkerLost, WorkerRefused
+from drivers.fleet.routed import RoutedDriver, WorkerTally
 from drivers.fleet.wire import ErrorKind
 from drivers.options import EngineOptions
 from drivers.sglang import protocol
@@ -51,15 +46,12 @@ from drivers.sglang.client import SGLangClient
 from drivers.sglang.config import SGLangConfig
 from drivers.sglang.kv_events import KVEventSubscriber
 from drivers.sglang.polling import poll_server
-from drivers.sglang.router import CacheAwareRouter, NoServerError, ServerNode
+from drivers.sglang.router import CacheAwareRouter, ServerNode
 from drivers.sglang.snapshot import load_trees, save_trees
 from observability.node_health import NodeHealthMonitor, NodeStatus
 
 log = logging.getLogger("sluice.sglang")
 
-_RETRY_ELSEWHERE = frozenset({ErrorKind.OVERLOADED, ErrorKind.SHUTTING_DOWN, ErrorKind.ENGINE_DEAD,
-                              ErrorKind.MODEL_NOT_FOUND})
-JOIN_WAIT_S = 5.0  # start() waits this long for a first healthy server
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -71,12 +63,13 @@ def server_id(address: str) -> str:
     return parts.netloc or address
 
 
-class SGLangDriver(Driver):
+class SGLangDriver(RoutedDriver[ServerNode]):
+    nodes_noun = "SGLang servers"
+
     def __init__(self, config: SGLangConfig) -> None:
+        self.router: CacheAwareRouter = CacheAwareRouter(config.routing, NodeHealthMonitor([], config.node_health))
+        super().__init__(self.router, config.breaker, config.max_attempts)
         self.config = config
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-        self.monitor = NodeHealthMonitor([], config.node_health)
-        self.router = CacheAwareRouter(config.routing, self.monitor)
         self.client = SGLangClient(config.api_key, config.timeouts)
         self.servers = [ServerNode(id=server_id(a.rstrip("/")), address=a.rstrip("/")) for a in config.servers]
         for i, endpoint in enumerate(config.kv_events):
@@ -84,7 +77,6 @@ class SGLangDriver(Driver):
             self.router.events[self.servers[i].id] = KVEventSubscriber(self.servers[i].id, endpoint, replay)
         source = Path(config.chat_template).read_text() if config.chat_template else CHATML
         self.chat_template = jinja2.Environment(autoescape=False).from_string(source)
-        self.failovers = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
 
@@ -108,9 +100,7 @@ class SGLangDriver(Driver):
         if self.config.snapshot_path:
             self._tasks.append(asyncio.create_task(self._snapshots(), name="sluice-sglang-snapshot"))
         self._started = True
-        deadline = time.monotonic() + JOIN_WAIT_S
-        while not self._up() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await self._wait_for_first(self._up, 0.05)
         log.info("sglang driver started: %d of %d servers up", len(self._up()), len(self.servers))
 
     async def stop(self) -> None:
@@ -171,20 +161,7 @@ class SGLangDriver(Driver):
             text, special = self.chat_template.render(messages=messages, add_generation_prompt=True), False
         else:
             text, special = request.prompt or "", True
-        tried: list[str] = []
-        while True:
-            node = self._pick(request.model, [], tried, any_server=True)
-            try:
-                return await self.client.tokenize(node.address, text, special)
-            except WorkerLost as exc:
-                self._failed(node, exc)
-                tried.append(node.id)
-                if len(tried) >= self.config.max_attempts:
-                    raise EngineDeadError(f"tokenizing failed on {len(tried)} SGLang servers: {exc}") from exc
-            except WorkerRefused as exc:
-                if exc.kind not in _RETRY_ELSEWHERE:
-                    raise driver_error(exc, request.model) from exc
-                tried.append(node.id)
+        return await self._tokenize_anywhere(request, lambda node: self.client.tokenize(node.address, text, special))
 
     def _card(self, model: str) -> ModelCard:
         card = next((c for c in self.models() if c.id == model), None)
@@ -196,85 +173,28 @@ class SGLangDriver(Driver):
             raise OverloadedError(f"no SGLang server serving {model} is up", retry_after=1.0)
         return card
 
-    def _pick(self, model: str, prompt: list[int], tried: list[str], any_server: bool = False) -> ServerNode:
-        try:
-            candidates = self.router.candidates(
-                self.servers, model, time.monotonic(), self.config.down_after_s, tried)
-        except NoServerError as exc:
-            raise EngineDeadError(str(exc)) from exc
-        if any_server:
-            node = min(candidates, key=lambda n: (self.router.load(n), n.id))
-        else:
-            node, why = self.router.pick(candidates, prompt)
-            log.debug("routed (%s)", why, extra={"node": node.id})
-        self._breaker(node.id).picked()
+    def _candidates(self, model: str, tried: list[str]) -> list[ServerNode]:
+        return self.router.candidates(self.servers, model, time.monotonic(), self.config.down_after_s, tried)
+
+    def _choose(self, candidates: list[ServerNode], prompt: list[int], tenant_id: str | None) -> ServerNode:
+        node, why = self.router.pick(candidates, prompt)
+        log.debug("routed (%s)", why, extra={"node": node.id})
         return node
 
-    def _breaker(self, node_id: str) -> CircuitBreaker:
-        breaker = self.router.breakers.get(node_id)
-        if breaker is None:
-            breaker = self.router.breakers[node_id] = CircuitBreaker(self.config.breaker)
-            self.monitor.add_node(node_id, time.time())
-        return breaker
+    def _load(self, node: ServerNode) -> float:
+        return self.router.load(node)
 
     def _failed(self, node: ServerNode, exc: WorkerLost) -> None:
-        self._breaker(node.id).failed(time.monotonic(), definite=exc.definite)
+        super()._failed(node, exc)
         if exc.definite:
             node.up, node.detail = False, str(exc)  # refused connection: out of the view until a poll says up
-        log.warning("sglang server failed: %s", exc, extra={"node": node.id})
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        prompt = request.tokenized_prompt
-        if prompt is None:
-            prompt = await self.tokenize(request)
-        card = self._card(request.model)
-        budget = request.max_tokens if request.max_tokens is not None else card.max_model_len - len(prompt)
-        if budget < 1:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {card.max_model_len} tokens; the prompt has {len(prompt)}",
-                param="max_tokens")
-        sent: list[int] = []  # token ids the client has: what a resumed attempt continues from
-        tried: list[str] = []
-        refused: WorkerRefused | None = None
-        last_failure = ""
-        while True:
-            try:
-                node = self._pick(request.model, prompt, tried)
-            except EngineDeadError as exc:
-                if refused is not None and not sent:
-                    raise driver_error(refused, request.model) from exc  # every server said no: say why
-                raise EngineDeadError(f"{exc}; last failure: {last_failure}" if last_failure else str(exc)) from exc
-            rid = request.request_id if not tried else f"{request.request_id}.{len(tried)}"
-            try:
-                attempt = self._attempt(request, node, rid, prompt, sent, budget)
-                async with contextlib.aclosing(attempt) as chunks:  # closed at once when our client goes
-                    async for chunk in chunks:
-                        yield chunk
-                return
-            except WorkerLost as exc:
-                self._failed(node, exc)
-                tried.append(node.id)
-                last_failure = str(exc)
-                if len(tried) >= self.config.max_attempts:
-                    raise EngineDeadError(f"the request failed on {len(tried)} SGLang servers; last: {exc}") from exc
-                self.failovers += 1
-                log.warning("failover after %d tokens", len(sent),
-                            extra={"request_id": request.request_id, "node": node.id, "error": str(exc)})
-            except WorkerRefused as exc:
-                self._breaker(node.id).succeeded()  # it answered: alive
-                if exc.kind not in _RETRY_ELSEWHERE or sent:
-                    raise driver_error(exc, request.model) from exc
-                tried.append(node.id)
-                refused = exc
 
     async def _attempt(
-        self, request: GenerationRequest, node: ServerNode, rid: str, prompt: list[int], sent: list[int], budget: int,
+        self, node: ServerNode, request: GenerationRequest, rid: str, prompt: list[int], sent: list[int], budget: int,
     ) -> AsyncGenerator[GenerationChunk, None]:
-        """One server's stream of the request; extends `sent` with every token handed out."""
         body = protocol.generate_body(request, rid, prompt + sent, budget - len(sent))
         delta = protocol.StreamDelta(node.incremental, request.stop, request.logprobs)
         self.router.routed(node.id, prompt)
-        self.router.in_flight[node.id] = self.router.in_flight.get(node.id, 0) + 1
         arrival = time.time()
         first_token: float | None = None
         last_token: float | None = None
@@ -295,8 +215,6 @@ class SGLangDriver(Driver):
                     if d.token_ids:
                         if first_token is None:
                             first_token = now
-                            self._breaker(node.id).succeeded()
-                            self.monitor.record_ttft(node.id, now, now - arrival, len(prompt))
                         elif last_token is not None:
                             gap = (now - last_token) / len(d.token_ids)
                             for _ in d.token_ids:
@@ -320,7 +238,6 @@ class SGLangDriver(Driver):
                         finished = True
                         return
         finally:
-            self.router.in_flight[node.id] -= 1
             if not finished:
                 # Our stream closed early (client gone, shutdown) or the server failed: make sure it
                 # lets go of the request even if a proxy keeps the upstream connection open.
@@ -349,16 +266,18 @@ class SGLangDriver(Driver):
         for node in self.servers:
             a = views.get(node.id)
             breaker = self.router.breakers.get(node.id)
+            tally = self.tallies.get(node.id, WorkerTally())
             status = str(a.status) if a else "healthy"
             if not node.up:
                 status = "dead"
             out.append(NodeInfo(
                 id=node.id, status=status, running=node.running, waiting=node.waiting,
-                itl_p50_ms=_ms(a.itl_p50_s) if a else None, itl_p99_ms=_ms(a.itl_p99_s) if a else None,
-                ttft_p50_ms=_ms(a.ttft_p50_s) if a else None,
+                itl_p50_ms=milliseconds(a.itl_p50_s) if a else None, itl_p99_ms=milliseconds(a.itl_p99_s) if a else None,
+                ttft_p50_ms=milliseconds(a.ttft_p50_s) if a else None,
                 reason=(a.reason if a else None) if node.up else node.detail, since=a.since if a else None,
                 restarts=node.restarts, address=node.address, state="ready" if node.up else "down",
                 circuit=str(breaker.state) if breaker else "closed", in_flight=self.router.in_flight.get(node.id, 0),
+                requests=tally.requests, errors=tally.errors, failovers=tally.failovers,
             ))
         events = [NodeEvent(ev.time, ev.node, str(ev.kind), ev.reason) for ev in self.monitor.events]
         return NodesReport(out, events)
@@ -387,17 +306,3 @@ def _abort_refusal(finish: protocol.FinishInfo, node: ServerNode, sent_any: bool
         return WorkerRefused(ErrorKind.OVERLOADED, message)
     return WorkerLost(f"{node.id}: aborted by the server: {message}")
 
-
-def driver_error(exc: WorkerRefused, model: str) -> DriverError:
-    """The one mapping of a server's refusal to the driver seam's errors."""
-    if exc.kind is ErrorKind.INVALID:
-        return InvalidRequestError(str(exc), exc.param)
-    if exc.kind is ErrorKind.MODEL_NOT_FOUND:
-        return ModelNotFoundError(model)
-    if exc.kind is ErrorKind.OVERLOADED:
-        return OverloadedError(str(exc), retry_after=exc.retry_after if exc.retry_after is not None else 1.0)
-    return EngineDeadError(f"SGLang server refused: {exc}")
-
-
-def _ms(seconds: float | None) -> float | None:
-    return round(seconds * 1000, 3) if seconds is not None else None

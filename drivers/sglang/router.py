@@ -1,8 +1,9 @@
 """Which SGLang server gets a request: filter, then cache-aware pick with a load-imbalance guard.
 
-    filter   up (its last /health_generate within `down_after_s`), serves the model, circuit not
-             open, not stalled or dead by node health, not already tried by this request; sluggish
-             servers only when no healthy one is left
+    filter   up (its last /health_generate within `down_after_s`) and serves the model, then the
+             fleet's filter (`drivers/fleet/routing`): circuit not open, not stalled or dead by
+             node health, not already tried by this request; sluggish servers only when no
+             healthy one is left
     guard    when the busiest and idlest candidates differ by more than `balance_abs` requests and
              the busiest has more than `balance_rel` times the idlest's, the least-loaded server
              takes it, whatever the cache says: a hot prefix spills instead of melting one server
@@ -22,11 +23,11 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from drivers.fleet.breaker import CircuitBreaker
+from drivers.fleet.routing import NodeFilter
 from drivers.sglang.config import CacheRoutingConfig
 from drivers.sglang.kv_events import KVEventSubscriber
 from drivers.sglang.prefix_tree import PrefixTree
-from observability.node_health import NodeHealthMonitor, NodeStatus
+from observability.node_health import NodeHealthMonitor
 
 
 @dataclass
@@ -54,16 +55,21 @@ class Pick(enum.StrEnum):
     BALANCE = "balance"
 
 
-class NoServerError(Exception):
-    """No server passes the filter; the message says why each was left out."""
+def _unfit(node: ServerNode, model: str, now: float, fresh_s: float) -> str | None:
+    if not node.up or now - node.last_ok > fresh_s:
+        return f"down ({node.detail})"
+    if node.model != model:
+        return "does not serve the model"
+    return None
 
 
-class CacheAwareRouter:
+class CacheAwareRouter(NodeFilter):
+    noun = "SGLang server"
+    nobody = "no server configured"
+
     def __init__(self, config: CacheRoutingConfig, monitor: NodeHealthMonitor) -> None:
+        super().__init__(monitor)
         self.config = config
-        self.monitor = monitor
-        self.breakers: dict[str, CircuitBreaker] = {}
-        self.in_flight: dict[str, int] = {}
         self.trees: dict[str, PrefixTree] = {}
         self.events: dict[str, KVEventSubscriber] = {}
         self.picks: dict[Pick, int] = {p: 0 for p in Pick}
@@ -88,32 +94,8 @@ class CacheAwareRouter:
     def candidates(
         self, nodes: Iterable[ServerNode], model: str, now: float, fresh_s: float, exclude: Iterable[str] = ()
     ) -> list[ServerNode]:
-        excluded = set(exclude)
-        healthy: list[ServerNode] = []
-        sluggish: list[ServerNode] = []
-        why: dict[str, str] = {}
-        for node in nodes:
-            breaker = self.breakers.get(node.id)
-            status = self.monitor.status(node.id) if node.id in self.breakers else NodeStatus.HEALTHY
-            if node.id in excluded:
-                why[node.id] = "already tried"
-            elif not node.up or now - node.last_ok > fresh_s:
-                why[node.id] = f"down ({node.detail})"
-            elif node.model != model:
-                why[node.id] = "does not serve the model"
-            elif breaker is not None and not breaker.allows(now):
-                why[node.id] = "circuit open"
-            elif status in (NodeStatus.STALLED, NodeStatus.DEAD):
-                why[node.id] = str(status)
-            elif status is NodeStatus.SLUGGISH:
-                sluggish.append(node)
-            else:
-                healthy.append(node)
-        chosen = healthy or sluggish
-        if not chosen:
-            detail = "; ".join(f"{n}: {r}" for n, r in why.items()) or "no server configured"
-            raise NoServerError(f"no SGLang server can take the request ({detail})")
-        return chosen
+        """The filter (`NodeFilter.filter`); `now` is time.monotonic(), the clock of polls and breakers."""
+        return self.filter(((n.id, _unfit(n, model, now, fresh_s), n) for n in nodes), now, exclude)
 
     def pick(self, candidates: list[ServerNode], prompt: list[int]) -> tuple[ServerNode, Pick]:
         loads = {c.id: self.load(c) for c in candidates}
