@@ -15,8 +15,12 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from drivers.portable_tokenizer import TokenizerSpec
 
 
 class FinishReason(enum.StrEnum):
@@ -284,6 +288,11 @@ class Driver(ABC):
     async def set_fault(self, node_id: str, step_delay_s: float, stall: bool) -> None:
         """Chaos testing: slow down (extra delay per engine step) or stall one node; zeros clear it."""
         raise InvalidRequestError(f"{type(self).__name__} does not support fault injection")
+
+    def tokenizer_spec(self, model: str) -> TokenizerSpec | None:
+        """The model's prompt tokenizer as a message (drivers/portable_tokenizer.py), for a fleet
+        gateway to tokenize with; None: prompts must be tokenized here (`tokenize`)."""
+        return None
 
     @abstractmethod
     async def tokenize(self, request: GenerationRequest) -> list[int]:

@@ -36,6 +36,7 @@ from drivers.base import (
 )
 from drivers.native_nodes import NodeRouter
 from drivers.options import EngineOptions, overrides
+from drivers.portable_tokenizer import TokenizerSpec, encode_prompt, hf_spec
 from drivers.supervisor import EngineSupervisor, RestartPolicy
 from engine_native import errors as engine_errors
 from engine_native.client import AsyncEngineClient
@@ -128,6 +129,7 @@ class NativeDriver(Driver):
         self.supervisor: EngineSupervisor | None = None
         self.engines: list[AsyncEngineClient] = []
         self.tokenizer: Tokenizer | None = None
+        self._tokenizer_spec: TokenizerSpec | None = None  # built once: a large tokenizer's JSON is MBs
         self.ready = False  # True once every engine has loaded its model, until stop()
         self.max_model_len = 0
         self.max_request_tokens = 0  # tokens the smallest engine's KV pool holds
@@ -187,7 +189,14 @@ class NativeDriver(Driver):
             raise InvalidRequestError("this model has no tokenizer; send prompt token ids", param="prompt")
         # A worker thread: a 1 MiB prompt takes most of a second to encode (the tokenizer releases
         # the GIL meanwhile), and the event loop serves every other stream in the meantime.
-        return await asyncio.to_thread(_encode_prompt, tok, request)
+        return await asyncio.to_thread(encode_prompt, tok, request)
+
+    def tokenizer_spec(self, model: str) -> TokenizerSpec | None:
+        if model != self.served_model_name or self.tokenizer is None:
+            return None
+        if self._tokenizer_spec is None:
+            self._tokenizer_spec = hf_spec(self.tokenizer)
+        return self._tokenizer_spec
 
     def _sampling_params(self, request: GenerationRequest, n_prompt: int) -> SamplingParams:
         room = self.max_model_len - n_prompt
@@ -359,18 +368,6 @@ class NativeDriver(Driver):
             prefix_cache_hit_rate=(sum(s.prefix_cache_hit_rate for s in stats) / len(stats)) if stats else 0.0,
             timestamp=min((s.timestamp for s in stats), default=0.0),
         )
-
-
-def _encode_prompt(tok: Tokenizer, request: GenerationRequest) -> list[int]:
-    """The prompt's token ids: chat messages through the model's template, or the text (runs in a
-    worker thread)."""
-    if request.messages is not None:
-        try:
-            text = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param="messages") from exc
-        return tok.encode(text, add_special_tokens=False)
-    return tok.encode(request.prompt or "", add_special_tokens=True)
 
 
 def _sum_by_key(maps: Iterable[dict[int, int]]) -> dict[int, int]:

@@ -41,6 +41,7 @@ from drivers.base import (
     TopLogprob,
 )
 from drivers.options import EngineOptions, overrides
+from drivers.portable_tokenizer import TokenizerSpec, WordTokenizerSpec
 
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
 # Ids 0..3 are specials; words follow. Two-syllable words give a 4,900-word vocabulary.
@@ -53,6 +54,28 @@ _FIRST_WORD = len(_SPECIALS)
 def word_id(word: str) -> int:
     """Stable id for any whitespace-free prompt word (hash into the word range)."""
     return _FIRST_WORD + zlib.crc32(word.encode()) % (len(VOCAB) - _FIRST_WORD)
+
+
+def word_prompt_ids(request: GenerationRequest) -> list[int]:
+    """The word tokenizer: the layout in this module's docstring."""
+    if request.prompt_token_ids is not None:
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < len(VOCAB)]
+        if bad:
+            raise InvalidRequestError(
+                f"Token id {bad[0]} is out of vocabulary (size {len(VOCAB)})", "prompt"
+            )
+        return [BOS, *request.prompt_token_ids]
+    if request.messages is not None:
+        ids = [BOS]
+        for message in request.messages:
+            ids.append(ROLE)
+            ids.extend(word_id(w) for w in message.content.split())
+            ids.append(EOT)
+        ids.append(ASSISTANT)
+        return ids
+    if request.prompt is not None:
+        return [BOS, *(word_id(w) for w in request.prompt.split())]
+    raise InvalidRequestError("One of prompt, prompt_token_ids or messages is required", "prompt")
 
 
 class _Live:
@@ -185,24 +208,11 @@ class SyntheticDriver(Driver):
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if self.tokenize_s:
             time.sleep(self.tokenize_s)  # in the worker thread, never on the event loop
-        if request.prompt_token_ids is not None:
-            bad = [t for t in request.prompt_token_ids if not 0 <= t < len(VOCAB)]
-            if bad:
-                raise InvalidRequestError(
-                    f"Token id {bad[0]} is out of vocabulary (size {len(VOCAB)})", "prompt"
-                )
-            return [BOS, *request.prompt_token_ids]
-        if request.messages is not None:
-            ids = [BOS]
-            for message in request.messages:
-                ids.append(ROLE)
-                ids.extend(word_id(w) for w in message.content.split())
-                ids.append(EOT)
-            ids.append(ASSISTANT)
-            return ids
-        if request.prompt is not None:
-            return [BOS, *(word_id(w) for w in request.prompt.split())]
-        raise InvalidRequestError("One of prompt, prompt_token_ids or messages is required", "prompt")
+        return word_prompt_ids(request)
+
+    def tokenizer_spec(self, model: str) -> TokenizerSpec | None:
+        # With a deliberately slow tokenizer (tests of what happens before dispatch), none travels.
+        return WordTokenizerSpec() if model == self.model_name and not self.tokenize_s else None
 
     def _budget(self, request: GenerationRequest, prompt_len: int) -> int:
         if request.max_tokens is not None and request.max_tokens < 1:

@@ -36,6 +36,7 @@ from drivers.base import (
     NodesReport,
 )
 from drivers.hosting import DeployRefusal, DeployRefusedError, Footprint, HostedVersion, VersionSource
+from drivers.portable_tokenizer import TokenizerSpec
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,10 @@ class VersionedDriver(Driver):
             if own:
                 cards.append(msgspec.structs.replace(own[0], id=model_id))
         return cards
+
+    def tokenizer_spec(self, model: str) -> TokenizerSpec | None:
+        engine = self._by_id.get(model)
+        return engine.driver.tokenizer_spec(engine.served_name) if engine is not None and not engine.draining else None
 
     async def tokenize(self, request: GenerationRequest) -> list[int]:
         engine = self._engine(request.model)

@@ -6,7 +6,7 @@ the moment the gateway closes the stream (failover, client gone), and it interle
 lines so a hung worker is told apart from a slow one (drivers/fleet/wire.py).
 
     GET  /healthz /readyz /metrics          open (no prompts, only load figures)
-    GET  /fleet/v1/info                     fleet secret
+    GET  /fleet/v1/info, /fleet/v1/tokenizer  fleet secret
     POST /fleet/v1/tokenize, /generate      fleet secret
 
 Every refusal is a JSON `ErrorBody` with a 4xx / 503 status; nothing a client sends makes a 500.
@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -37,6 +38,7 @@ from drivers.base import (
 )
 from drivers.fleet import wire
 from drivers.fleet.wire import ErrorBody, ErrorKind, WorkerInfo, WorkerLoad, WorkerState
+from drivers.portable_tokenizer import TokenizerSpec, fingerprint
 from observability.tracing import RequestTracer
 from worker.settings import WorkerSettings
 from worker.stream import TokenStream
@@ -108,6 +110,8 @@ class WorkerApp:
         self._on_state: list[Callable[[], None]] = []  # told of every state change (the heartbeat)
         self._start_task: asyncio.Task[None] | None = None
         self._started_at = time.time()
+        # Model id -> its tokenizer spec and fingerprint: hashing a large tokenizer's MBs once, not per heartbeat.
+        self._fingerprints: dict[str, tuple[TokenizerSpec, str]] = {}
 
     # ----- lifecycle -------------------------------------------------------------------
 
@@ -152,7 +156,27 @@ class WorkerApp:
             id=s.worker_id, address=s.address, state=self.state, incarnation=self.incarnation,
             models=self.driver.models() if self.state is not WorkerState.JOINING else [],
             load=await self.load(), heartbeat_at=time.time(), host=s.host,
+            tokenizers=self._tokenizer_fingerprints() if self.state is not WorkerState.JOINING else {},
         )
+
+    def _tokenizer_fingerprints(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for card in self.driver.models():
+            spec = self.driver.tokenizer_spec(card.id)
+            if spec is None:
+                continue
+            known = self._fingerprints.get(card.id)
+            if known is None or known[0] is not spec:  # drivers keep their spec: identity means unchanged
+                known = self._fingerprints[card.id] = (spec, fingerprint(spec))
+            out[card.id] = known[1]
+        return out
+
+    def _tokenizer(self, scope: Scope) -> bytes:
+        model = parse_qs(scope.get("query_string", b"").decode()).get("model", [""])[0]
+        spec = self.driver.tokenizer_spec(model) if self.state is WorkerState.READY else None
+        if spec is None:
+            raise Refused(ErrorKind.MODEL_NOT_FOUND, f"no portable tokenizer of model {model!r} here", "model")
+        return msgspec.json.encode(spec)
 
     # ----- ASGI ------------------------------------------------------------------------
 
@@ -175,6 +199,9 @@ class WorkerApp:
             elif route == ("GET", wire.INFO_PATH):
                 self._authenticate(scope)
                 await _respond(send, 200, msgspec.json.encode(await self.info()))
+            elif route == ("GET", wire.TOKENIZER_PATH):
+                self._authenticate(scope)
+                await _respond(send, 200, self._tokenizer(scope))
             elif route == ("POST", wire.TOKENIZE_PATH):
                 self._authenticate(scope)
                 await self._tokenize(await self._body(receive), send)

@@ -23,6 +23,9 @@ import msgspec
 
 from drivers.fleet import wire
 from drivers.fleet.wire import ErrorKind
+from drivers.portable_tokenizer import SPEC_DECODER, TokenizerSpec
+
+TOKENIZER_FETCH_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,20 @@ class WorkerClient:
         if response.status_code != 200:
             raise _refusal(response.status_code, response.content, address)
         return msgspec.json.decode(response.content, type=wire.TokenizeResponse).token_ids
+
+    async def tokenizer(self, address: str, model: str) -> TokenizerSpec:
+        """The worker's prompt tokenizer of `model` (a large one is MBs: no stall timeout applies)."""
+        try:
+            response = await self.http.get(address + wire.TOKENIZER_PATH, params={"model": model},
+                                           timeout=httpx.Timeout(TOKENIZER_FETCH_S, connect=self.timeouts.connect_s))
+        except httpx.HTTPError as exc:
+            raise lost(exc, address, self.timeouts) from exc
+        if response.status_code != 200:
+            raise _refusal(response.status_code, response.content, address)
+        try:
+            return SPEC_DECODER.decode(response.content)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise lost(exc, address, self.timeouts) from exc
 
     async def stream(
         self, address: str, request: wire.SubmitRequest, headers: dict[str, str] | None = None

@@ -2,7 +2,8 @@
 
 The failover loop is the fleet's (`routed.RoutedDriver`); this module says what is particular to
 `sluice worker`s: membership (a static list or Redis heartbeats), the router's policies, the
-worker wire (`wire`), and the workers' own per-token timestamps for inter-token latency.
+worker wire (`wire`), the workers' own per-token timestamps for inter-token latency, and prompts
+tokenized in the gateway with the workers' own tokenizer (`tokenizers`) once it has it.
 """
 
 from __future__ import annotations
@@ -31,11 +32,16 @@ from drivers.fleet.config import FleetConfig
 from drivers.fleet.membership import Membership, RedisMembership, StaticMembership
 from drivers.fleet.routed import RoutedDriver, WorkerTally
 from drivers.fleet.router import FleetRouter
+from drivers.fleet.tokenizers import GatewayTokenizers
 from drivers.fleet.wire import WorkerInfo, WorkerState
 from drivers.options import EngineOptions
 from observability.node_health import NodeHealthMonitor, NodeStatus
 
 log = logging.getLogger("sluice.fleet")
+
+# A prompt shorter than this is tokenized on the event loop (tens of microseconds); a longer one in a
+# worker thread, like the engines do, so a 1 MiB prompt never stalls the other streams.
+INLINE_TOKENIZE_CHARS = 4096
 
 
 
@@ -50,6 +56,8 @@ class FleetDriver(RoutedDriver[WorkerInfo]):
         else:
             self.membership = StaticMembership(list(config.workers), config.rescan_s, config.ttl_s, config.secret)
         self.client = WorkerClient(config.secret, config.timeouts, config.tls_verify)
+        self.tokenizers = GatewayTokenizers(self.client)
+        self.tokenized_here = 0  # prompts tokenized by this gateway, not sent to a worker for it
         self._watch: asyncio.Task[None] | None = None
         self._started = False
 
@@ -77,6 +85,7 @@ class FleetDriver(RoutedDriver[WorkerInfo]):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
         await self.membership.stop()
+        await self.tokenizers.aclose()
         await self.client.aclose()
 
     def _ready_workers(self) -> list[WorkerInfo]:
@@ -98,6 +107,12 @@ class FleetDriver(RoutedDriver[WorkerInfo]):
             if not self._ready_workers():
                 raise OverloadedError("no fleet worker is ready", retry_after=1.0)
             raise ModelNotFoundError(request.model)
+        local = self.tokenizers.for_model(request.model, self._ready_workers())
+        if local is not None:
+            self.tokenized_here += 1
+            if _prompt_chars(request) < INLINE_TOKENIZE_CHARS:
+                return local.prompt_ids(request)
+            return await asyncio.to_thread(local.prompt_ids, request)  # a long prompt: off the event loop
         body = wire.TokenizeRequest(model=request.model, prompt=request.prompt,
                                     prompt_token_ids=request.prompt_token_ids, messages=request.messages)
         return await self._tokenize_anywhere(request, lambda worker: self.client.tokenize(worker.address, body))
@@ -235,3 +250,8 @@ class FleetDriver(RoutedDriver[WorkerInfo]):
             for event in self.monitor.evaluate(now):
                 log.warning("node %s", event.kind, extra={"node": event.node, "reason": event.reason})
 
+
+def _prompt_chars(request: GenerationRequest) -> int:
+    if request.messages is not None:
+        return sum(len(m.content) for m in request.messages)
+    return len(request.prompt or "")

@@ -4,6 +4,8 @@
     POST /fleet/v1/generate   SubmitRequest    -> 200, lines of StreamEvent (TokensEvent | KeepAlive
                                                   | FailureEvent), or a 4xx/5xx ErrorBody before any
     GET  /fleet/v1/info                        -> WorkerInfo
+    GET  /fleet/v1/tokenizer?model=M           -> TokenizerSpec (drivers/portable_tokenizer.py), or
+                                                  404 ErrorBody when the model's does not travel
 
 Every request carries `authorization: Bearer <fleet secret>` when the fleet has one. Closing the
 generate stream aborts the request on the worker. A stream ends with a TokensEvent whose
@@ -21,6 +23,7 @@ from drivers.base import ChatMessage, FinishReason, ModelCard, TokenLogprob
 GENERATE_PATH = "/fleet/v1/generate"
 TOKENIZE_PATH = "/fleet/v1/tokenize"
 INFO_PATH = "/fleet/v1/info"
+TOKENIZER_PATH = "/fleet/v1/tokenizer"
 
 
 class WorkerState(enum.StrEnum):
@@ -157,6 +160,9 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     load: WorkerLoad = WorkerLoad()
     heartbeat_at: float = 0.0  # time.time() on the worker
     host: str = ""
+    # Model id -> fingerprint of its prompt tokenizer, for those that travel: a gateway with the same
+    # fingerprint tokenizes that model's prompts itself instead of asking (POST /fleet/v1/tokenize).
+    tokenizers: dict[str, str] = {}
 
 
 def encode_line(event: StreamEvent) -> bytes:

@@ -1,7 +1,8 @@
 """The bundled model behind the fleet: two `sluice worker --driver native` processes and a gateway.
 Greedy streams through the fleet equal single-node output (one worker asked directly over the
 wire), and still do when the worker serving one is killed with SIGKILL mid-stream: the request
-resumes on the other worker from the prompt plus the tokens already sent.
+resumes on the other worker from the prompt plus the tokens already sent. The gateway tokenizes
+with the workers' tokenizer once it has fetched it, so the later streams also check its ids.
 
 One stream at a time: on a host with native bf16, a decode inside a step of more than
 `quantized_max_rows` tokens runs through the bf16 GEMMs (docs/engine.md, "Numerics"), so a stream's
@@ -21,6 +22,7 @@ import msgspec
 from fleet_processes import Stream, gateway, nodes, wait_for, workers
 
 from drivers.fleet import wire
+from drivers.portable_tokenizer import SPEC_DECODER, fingerprint
 
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 24
@@ -48,6 +50,10 @@ def test_greedy_through_the_fleet_equals_single_node_even_across_a_kill_9() -> N
     with workers(2, *NATIVE, prefix="n", startup_timeout_s=300) as ws, \
             gateway("--workers", ",".join(w.url for w in ws), "--fleet-policy", "least-loaded") as base:
         wait_for("both workers in the view", lambda: len(nodes(base)) == 2)
+        # The native worker's tokenizer travels: named in its info, served whole, the same by fingerprint.
+        named = httpx.get(ws[0].url + wire.INFO_PATH, timeout=10).json()["tokenizers"][MODEL]
+        spec = httpx.get(ws[0].url + wire.TOKENIZER_PATH, params={"model": MODEL}, timeout=30)
+        assert fingerprint(SPEC_DECODER.decode(spec.content)) == named
         reference = [single_node(ws[0].url, p) for p in PROMPTS[:2]] + [single_node(ws[1].url, PROMPTS[3])]
         body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
         for prompt, want in zip(PROMPTS[:2], reference, strict=False):

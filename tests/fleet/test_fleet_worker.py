@@ -12,6 +12,7 @@ import pytest
 from fleet_processes import WorkerProcess, wait_for
 
 from drivers.fleet import wire
+from drivers.portable_tokenizer import SPEC_DECODER, fingerprint
 
 SECRET = "fleet-test-secret"
 AUTH = {"authorization": f"Bearer {SECRET}"}
@@ -45,7 +46,8 @@ def test_probes_and_info(worker: WorkerProcess) -> None:
 
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": SECRET}])
 def test_fleet_routes_need_the_secret(worker: WorkerProcess, headers: dict[str, str]) -> None:
-    for method, path in [("GET", wire.INFO_PATH), ("POST", wire.GENERATE_PATH), ("POST", wire.TOKENIZE_PATH)]:
+    for method, path in [("GET", wire.INFO_PATH), ("POST", wire.GENERATE_PATH), ("POST", wire.TOKENIZE_PATH),
+                         ("GET", wire.TOKENIZER_PATH)]:
         r = httpx.request(method, worker.url + path, headers=headers, json=submit())
         assert r.status_code == 401, (path, r.text)
         assert r.json()["kind"] == "unauthorized"
@@ -69,6 +71,15 @@ def test_tokenize(worker: WorkerProcess) -> None:
     assert r.status_code == 200 and len(r.json()["token_ids"]) == 3
     r = httpx.post(worker.url + wire.TOKENIZE_PATH, headers=AUTH, json={"model": "synthetic"})
     assert r.status_code == 400
+
+
+def test_the_tokenizer_travels_named_by_its_fingerprint(worker: WorkerProcess) -> None:
+    info = msgspec.json.decode(httpx.get(f"{worker.url}{wire.INFO_PATH}", headers=AUTH).content, type=wire.WorkerInfo)
+    r = httpx.get(worker.url + wire.TOKENIZER_PATH, headers=AUTH, params={"model": "synthetic"})
+    assert r.status_code == 200 and fingerprint(SPEC_DECODER.decode(r.content)) == info.tokenizers["synthetic"]
+    for params in ({"model": "nope"}, {}):  # unknown model, no model: a 404 error body, never a 500
+        r = httpx.get(worker.url + wire.TOKENIZER_PATH, headers=AUTH, params=params)
+        assert (r.status_code, r.json()["kind"]) == (404, "model_not_found")
 
 
 @pytest.mark.parametrize(("body", "status", "fragment"), [
