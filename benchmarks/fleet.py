@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.config_options import add_config_command, print_load_average, verdict
 from benchmarks.serve import BenchConfig, BenchResult, run_benchmark
 from benchmarks.server_process import ServerProcess
 from benchmarks.worker_process import worker_processes
@@ -105,9 +106,8 @@ def run(config: FleetBenchConfig) -> dict[str, Any]:
     print(local.line("in-process"))
     print(fleet.line(f"fleet ({config.workers} workers)"))
     print(f"ratio fleet/in-process (req/s): {ratio:.3f} (target >= {TARGET_RATIO}) -> "
-          f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}")
-    load = os.getloadavg()
-    print(f"load average (1/5/15 min): {load} -- figures measured under that load")
+          f"{verdict(ratio >= TARGET_RATIO)}")
+    load = print_load_average()
     return {"config": asdict(config), "in_process": json.loads(lr.to_json()), "fleet": json.loads(fr.to_json()),
             "cpu_ms_per_request": {"in_process_gateway": local.gateway_cpu_ms, "fleet_gateway": fleet.gateway_cpu_ms,
                                    "fleet_workers": fleet.workers_cpu_ms},
@@ -115,30 +115,16 @@ def run(config: FleetBenchConfig) -> dict[str, Any]:
 
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("fleet", help="fleet overhead: synthetic driver in-process vs behind N sluice workers",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d = FleetBenchConfig()
-    p.add_argument("--workers", type=int, default=d.workers, help="sluice worker processes")
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests per half")
-    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight")
-    p.add_argument("--input-len", type=int, default=d.input_len, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=d.output_len, help="output tokens per request")
-    p.add_argument("--tokens-per-second", type=float, default=d.tokens_per_second, help="synthetic pace per request")
-    p.add_argument("--ttft-ms", type=float, default=d.ttft_ms, help="synthetic time to first token")
-    p.add_argument("--policy", default=d.policy, help="the fleet's routing policy")
-    p.add_argument("--stream-interval-ms", type=float, default=d.stream_interval_ms,
-                   help="the workers' least time between two token frames of a stream")
-    p.add_argument("--json-out", default=None, help="also write the results as JSON here")
-    p.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    config = FleetBenchConfig(workers=args.workers, num_prompts=args.num_prompts, concurrency=args.concurrency,
-                              input_len=args.input_len, output_len=args.output_len,
-                              tokens_per_second=args.tokens_per_second, ttft_ms=args.ttft_ms, policy=args.policy,
-                              stream_interval_ms=args.stream_interval_ms)
-    report = run(config)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0
+    add_config_command(
+        sub, "fleet", "fleet overhead: synthetic driver in-process vs behind N sluice workers",
+        FleetBenchConfig(), run, options={
+            "workers": "sluice worker processes",
+            "num_prompts": "requests per half",
+            "concurrency": "requests in flight",
+            "input_len": "prompt tokens per request",
+            "output_len": "output tokens per request",
+            "tokens_per_second": "synthetic pace per request",
+            "ttft_ms": "synthetic time to first token",
+            "policy": "the fleet's routing policy",
+            "stream_interval_ms": "the workers' least time between two token frames of a stream",
+        })

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
 import statistics
 from dataclasses import asdict, dataclass
@@ -21,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.config_options import add_config_command, print_load_average, verdict
 from benchmarks.pressure import stream_chat
 from benchmarks.server_process import ServerProcess
 from benchmarks.words import WORDS
@@ -95,35 +94,21 @@ def run(config: AffinityBenchConfig) -> dict[str, Any]:
               f"({r['requests']:.0f} requests)")
     hit = results["prefix-affinity"]["hit_rate"]
     print(f"hit rate with affinity {hit:.3f} (target >= {TARGET_HIT_RATE}) -> "
-          f"{'met' if hit >= TARGET_HIT_RATE else 'NOT met'}")
-    load = os.getloadavg()
-    print(f"load average (1/5/15 min): {load} -- figures measured under that load")
+          f"{verdict(hit >= TARGET_HIT_RATE)}")
+    load = print_load_average()
     return {"config": asdict(config), "results": results, "target_hit_rate": TARGET_HIT_RATE,
             "met": hit >= TARGET_HIT_RATE, "load_average": load}
 
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("fleet-affinity", help="fleet: prefix-cache hit rate and TTFT, prefix-affinity vs round-robin",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d = AffinityBenchConfig()
-    p.add_argument("--workers", type=int, default=d.workers, help="native sluice worker processes")
-    p.add_argument("--tenants", type=int, default=d.tenants, help="distinct system prompts")
-    p.add_argument("--requests-per-tenant", type=int, default=d.requests_per_tenant, help="requests per tenant")
-    p.add_argument("--system-words", type=int, default=d.system_words, help="words per system prompt")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request")
-    p.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool of each worker")
-    p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch threads per worker")
-    p.add_argument("--json-out", default=None, help="also write the results as JSON here")
-    p.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    report = run(AffinityBenchConfig(
-        workers=args.workers, tenants=args.tenants, requests_per_tenant=args.requests_per_tenant,
-        system_words=args.system_words, max_tokens=args.max_tokens, kv_cache_memory=args.kv_cache_memory,
-        num_threads=args.num_threads,
-    ))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0
+    add_config_command(
+        sub, "fleet-affinity", "fleet: prefix-cache hit rate and TTFT, prefix-affinity vs round-robin",
+        AffinityBenchConfig(), run, options={
+            "workers": "native sluice worker processes",
+            "tenants": "distinct system prompts",
+            "requests_per_tenant": "requests per tenant",
+            "system_words": "words per system prompt",
+            "max_tokens": "output tokens per request",
+            "kv_cache_memory": "KV pool of each worker",
+            "num_threads": "torch threads per worker",
+        })

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -22,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.config_options import add_config_command, print_load_average, verdict
 from benchmarks.pressure import percentile
 from benchmarks.server_process import ServerProcess
 from benchmarks.worker_process import WorkerProcess, worker_processes
@@ -114,32 +113,20 @@ def run(config: FailoverBenchConfig) -> dict[str, Any]:
     p50, p99 = percentile(ms, 50), percentile(ms, 99)
     print(f"failover, kill -9 to the next token of an interrupted stream ({len(ms)} streams, {rounds} kills): "
           f"p50 {p50:.0f} ms  p99 {p99:.0f} ms  max {max(ms):.0f} ms (target p99 <= {target_ms:.0f} ms: "
-          f"{'met' if p99 <= target_ms else 'NOT met'})")
-    load = os.getloadavg()
-    print(f"load average (1/5/15 min): {load} -- figures measured under that load")
+          f"{verdict(p99 <= target_ms)})")
+    load = print_load_average()
     return {"config": asdict(config), "waits_ms": ms, "p50_ms": p50, "p99_ms": p99, "target_ms": target_ms,
             "met": p99 <= target_ms, "load_average": load}
 
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("fleet-failover", help="fleet: time from kill -9 of a worker to the next token",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d = FailoverBenchConfig()
-    p.add_argument("--workers", type=int, default=d.workers, help="sluice worker processes (one dies per round)")
-    p.add_argument("--rounds", type=int, default=d.rounds, help="kills (at most workers - 1)")
-    p.add_argument("--streams", type=int, default=d.streams, help="concurrent streams per round")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens per stream")
-    p.add_argument("--tokens-per-second", type=float, default=d.tokens_per_second, help="synthetic pace per stream")
-    p.add_argument("--ttft-ms", type=float, default=d.ttft_ms, help="synthetic time to first token (one prefill)")
-    p.add_argument("--json-out", default=None, help="also write the results as JSON here")
-    p.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    report = run(FailoverBenchConfig(workers=args.workers, rounds=args.rounds, streams=args.streams,
-                                     max_tokens=args.max_tokens, tokens_per_second=args.tokens_per_second,
-                                     ttft_ms=args.ttft_ms))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0
+    add_config_command(
+        sub, "fleet-failover", "fleet: time from kill -9 of a worker to the next token",
+        FailoverBenchConfig(), run, options={
+            "workers": "sluice worker processes (one dies per round)",
+            "rounds": "kills (at most workers - 1)",
+            "streams": "concurrent streams per round",
+            "max_tokens": "tokens per stream",
+            "tokens_per_second": "synthetic pace per stream",
+            "ttft_ms": "synthetic time to first token (one prefill)",
+        })

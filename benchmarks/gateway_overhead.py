@@ -22,11 +22,17 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from benchmarks.config_options import (
+    add_config_command,
+    config_from_args,
+    print_load_average,
+    verdict,
+    write_json,
+)
 from benchmarks.serve import BenchConfig, BenchResult, run_benchmark
 from benchmarks.server_process import ServerProcess
 
@@ -85,26 +91,25 @@ def run(config: GatewayBenchConfig) -> dict[str, Any]:
     ratio = served.output_throughput / direct["output_tok_s"] if direct["output_tok_s"] > 0 else 0.0
     print(f"gateway: {served.output_throughput:.1f} output tok/s ({served.duration_s:.2f} s, "
           f"{served.total_input_tokens} prompt / {served.total_output_tokens} output tokens)")
-    print(f"ratio gateway/direct: {ratio:.2f} (target >= {TARGET_RATIO}) -> {'met' if ratio >= TARGET_RATIO else 'NOT met'}")
-    load = os.getloadavg()
-    print(f"load average (1/5/15 min): {load} -- figures measured under that load")
+    print(f"ratio gateway/direct: {ratio:.2f} (target >= {TARGET_RATIO}) -> {verdict(ratio >= TARGET_RATIO)}")
+    load = print_load_average()
     return {"config": asdict(config), "direct": direct, "gateway": json.loads(served.to_json()),
             "ratio": ratio, "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO, "load_average": load}
 
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("gateway", help="gateway overhead: in-process engine vs the same load through sluice serve",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d = GatewayBenchConfig()
-    p.add_argument("--num-streams", type=int, default=d.num_streams, help="concurrent requests")
-    p.add_argument("--input-len", type=int, default=d.input_len, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=d.output_len, help="output tokens per request")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype, help="engine dtype")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads, both halves")
-    p.add_argument("--model", default=None, help="model path; default: the bundled model")
+    p = add_config_command(
+        sub, "gateway", "gateway overhead: in-process engine vs the same load through sluice serve",
+        GatewayBenchConfig(), run, options={
+            "num_streams": "concurrent requests",
+            "input_len": "prompt tokens per request",
+            "output_len": "output tokens per request",
+            "dtype": "engine dtype",
+            "threads": "torch threads, both halves",
+            "model": "model path; default: the bundled model",
+        }, choices={"dtype": DTYPE_CHOICES})
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
-    p.add_argument("--json-out", default=None, help="also write the results as JSON here")
-    p.set_defaults(func=_main)
+    p.set_defaults(func=_main)  # --quick: tiny sizes in place of the options'
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -112,11 +117,6 @@ def _main(args: argparse.Namespace) -> int:
         config = GatewayBenchConfig(**{**asdict(QUICK), "dtype": args.dtype, "threads": args.threads,
                                        "model": args.model})
     else:
-        config = GatewayBenchConfig(num_streams=args.num_streams, input_len=args.input_len,
-                                    output_len=args.output_len, dtype=args.dtype, threads=args.threads,
-                                    model=args.model)
-    report = run(config)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report, f, indent=2)
+        config = config_from_args(GatewayBenchConfig, args)
+    write_json(run(config), args.json_out)
     return 0

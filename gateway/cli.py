@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from drivers.options import EngineOptions
 from gateway.models_cli import add_models_command
-from gateway.settings import Settings
+from gateway.settings import Settings, comma_list
 from gateway.sglang_cli import add_sglang_arguments, sglang_config
 
 if TYPE_CHECKING:
@@ -177,6 +177,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
 def _add_fleet_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
     from drivers.fleet.breaker import BreakerConfig
     from drivers.fleet.client import FleetTimeouts
+    from drivers.fleet.config import FleetConfig
     from drivers.fleet.router import Policy, RouterConfig
 
     t, r, b = FleetTimeouts(), RouterConfig(), BreakerConfig()
@@ -187,7 +188,8 @@ def _add_fleet_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
                    help="Redis the workers register in (SLUICE_FLEET_REDIS_URL)")
     g.add_argument("--fleet-policy", default=env.fleet_policy, choices=[str(x) for x in Policy],
                    help="how a worker is picked (SLUICE_FLEET_POLICY)")
-    g.add_argument("--fleet-max-attempts", type=int, default=3, help="workers one request may be tried on")
+    g.add_argument("--fleet-max-attempts", type=int, default=FleetConfig.max_attempts,
+                   help="workers one request may be tried on")
     g.add_argument("--fleet-connect-timeout", type=float, default=t.connect_s, help="seconds to connect to a worker")
     g.add_argument("--fleet-stall-timeout", type=float, default=t.stall_s,
                    help="seconds of silence (no token, no keepalive) after which a worker is hung")
@@ -217,7 +219,7 @@ def _fleet_config(args: argparse.Namespace, env: Settings, node_health: NodeHeal
     from drivers.fleet.router import Policy, RouterConfig
 
     return FleetConfig(
-        workers=tuple(u.strip() for u in args.workers.split(",") if u.strip()),
+        workers=comma_list(args.workers),
         redis_url=args.fleet_redis or None,
         secret=env.fleet_secret,
         tls_verify=env.fleet_ca or True,

@@ -190,14 +190,14 @@ class Settings:
             registry_refresh_s=float(e.get("SLUICE_REGISTRY_REFRESH_S", d.registry_refresh_s)),
             log_prompts=e.get("SLUICE_LOG_PROMPTS", "0").lower() in ("1", "true", "on", "yes"),
             billing=BillingConfig.from_env(e),
-            fleet_workers=tuple(u.strip() for u in e.get("SLUICE_WORKERS", "").split(",") if u.strip()),
+            fleet_workers=comma_list(e.get("SLUICE_WORKERS", "")),
             fleet_redis_url=e.get("SLUICE_FLEET_REDIS_URL") or d.fleet_redis_url,
             fleet_policy=e.get("SLUICE_FLEET_POLICY", d.fleet_policy),
             fleet_secret=e.get("SLUICE_FLEET_SECRET") or d.fleet_secret,
             fleet_ca=e.get("SLUICE_FLEET_CA") or d.fleet_ca,
-            sglang_servers=_csv(e.get("SLUICE_SGLANG_SERVERS", "")),
-            sglang_kv_events=_csv(e.get("SLUICE_SGLANG_KV_EVENTS", "")),
-            sglang_kv_replay=_csv(e.get("SLUICE_SGLANG_KV_REPLAY", "")),
+            sglang_servers=comma_list(e.get("SLUICE_SGLANG_SERVERS", "")),
+            sglang_kv_events=comma_list(e.get("SLUICE_SGLANG_KV_EVENTS", "")),
+            sglang_kv_replay=comma_list(e.get("SLUICE_SGLANG_KV_REPLAY", "")),
             sglang_api_key=e.get("SLUICE_SGLANG_API_KEY") or d.sglang_api_key,
             sglang_chat_template=e.get("SLUICE_SGLANG_CHAT_TEMPLATE") or d.sglang_chat_template,
             sglang_snapshot=e.get("SLUICE_SGLANG_SNAPSHOT") or d.sglang_snapshot,
@@ -256,5 +256,6 @@ def _floats(text: str | None, default: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(float(part) for part in text.split(","))
 
 
-def _csv(value: str) -> tuple[str, ...]:
+def comma_list(value: str) -> tuple[str, ...]:
+    """'a, b,,c' -> ('a', 'b', 'c'): a list of URLs or endpoints from the environment or a flag."""
     return tuple(part.strip() for part in value.split(",") if part.strip())

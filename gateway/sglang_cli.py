@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from gateway.settings import Settings
+from gateway.settings import Settings, comma_list
 
 if TYPE_CHECKING:
     from drivers.sglang.config import SGLangConfig
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def add_sglang_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
-    from drivers.sglang.config import CacheRoutingConfig
+    from drivers.sglang.config import CacheRoutingConfig, SGLangConfig
 
     r = CacheRoutingConfig()
     g = p.add_argument_group("sglang (--driver sglang: SGLang servers over HTTP; see docs/sglang.md)")
@@ -31,19 +31,17 @@ def add_sglang_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
                    help="load-imbalance guard: busiest / idlest ratio before cache is ignored")
     g.add_argument("--sglang-min-match", type=int, default=r.min_match_tokens,
                    help="cached prefix tokens worth routing for; shorter goes least-loaded")
-    g.add_argument("--sglang-max-attempts", type=int, default=3, help="servers one request may be tried on")
+    g.add_argument("--sglang-max-attempts", type=int, default=SGLangConfig.max_attempts,
+                   help="servers one request may be tried on")
 
 
 def sglang_config(args: argparse.Namespace, env: Settings, node_health: NodeHealthConfig) -> SGLangConfig:
     from drivers.sglang.config import CacheRoutingConfig, SGLangConfig
 
-    def csv(value: str) -> tuple[str, ...]:
-        return tuple(part.strip() for part in value.split(",") if part.strip())
-
     try:
         return SGLangConfig(
-            servers=csv(args.sglang_servers), kv_events=csv(args.sglang_kv_events),
-            kv_replay=csv(args.sglang_kv_replay), api_key=env.sglang_api_key,
+            servers=comma_list(args.sglang_servers), kv_events=comma_list(args.sglang_kv_events),
+            kv_replay=comma_list(args.sglang_kv_replay), api_key=env.sglang_api_key,
             chat_template=env.sglang_chat_template, snapshot_path=args.sglang_snapshot or None,
             routing=CacheRoutingConfig(balance_abs=args.sglang_balance_abs, balance_rel=args.sglang_balance_rel,
                                        min_match_tokens=args.sglang_min_match),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -147,85 +147,83 @@ class NodeCollector(Collector):
         self._nodes = nodes
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        report = self._nodes()
-        gauges: list[tuple[str, str, Callable[[Any], float]]] = [
-            ("sluice_node_running_requests", "Requests running on the node", lambda n: n.running),
-            ("sluice_node_waiting_requests", "Requests waiting on the node", lambda n: n.waiting),
-            ("sluice_node_kv_blocks_used", "KV cache blocks in use", lambda n: n.kv_blocks_used),
-            ("sluice_node_kv_blocks_total", "KV cache blocks in the pool", lambda n: n.kv_blocks_total),
-            ("sluice_node_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens looked up",
-             lambda n: n.prefix_cache_hit_rate),
-            ("sluice_node_generation_tokens_per_second", "Recent output tokens per second",
-             lambda n: n.tokens_per_s),
-            ("sluice_node_sluggish", "1 when the node's latency stands out from its peers'",
-             lambda n: float(n.status == "sluggish")),
-            ("sluice_node_stalled", "1 when the node has work but produced no token for a while",
-             lambda n: float(n.status == "stalled")),
-            ("sluice_node_up", "1 when the node's engine process is alive", lambda n: float(n.status != "dead")),
-        ]
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["node"])
-            for n in report.nodes:
-                family.add_metric([n.id], value(n))
-            yield family
-        latencies: list[tuple[str, str, Callable[[Any], float | None]]] = [
-            ("sluice_node_ttft_p50_seconds", "Time to first token on the node, median over the health window",
-             lambda n: n.ttft_p50_ms),
-            ("sluice_node_itl_p50_seconds", "Inter-token latency on the node, median over the health window",
-             lambda n: n.itl_p50_ms),
-            ("sluice_node_itl_p99_seconds", "Inter-token latency on the node, p99 over the health window",
-             lambda n: n.itl_p99_ms),
-        ]
-        for name, doc, ms in latencies:
-            family = GaugeMetricFamily(name, doc, labels=["node"])
-            for n in report.nodes:
-                if (value_ms := ms(n)) is not None:  # no sample yet: no series rather than a false 0
-                    family.add_metric([n.id], value_ms / 1000)
-            yield family
-        preemptions = CounterMetricFamily("sluice_node_preemptions", "Preemptions since the node started",
-                                          labels=["node"])
-        for n in report.nodes:
-            preemptions.add_metric([n.id], n.preemptions)
-        yield preemptions
-        # A tensor-parallel engine's step split: compute = forward - collective (docs/parallelism.md).
-        for name, doc, seconds in (
-            ("sluice_node_forward_seconds", "Seconds in the model forward (tensor-parallel engines)",
-             lambda n: n.forward_seconds),
-            ("sluice_node_collective_seconds", "Seconds of the forward in collectives (tensor-parallel engines)",
-             lambda n: n.collective_seconds),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=["node"])
-            for n in report.nodes:
-                counter.add_metric([n.id], seconds(n))
-            yield counter
-        yield from _fleet_families([n for n in report.nodes if n.address is not None])
+        nodes = self._nodes().nodes
+        for name, doc, value in _NODE_GAUGES:
+            yield _per_node(GaugeMetricFamily, name, doc, nodes, value)
+        for name, doc, value in _NODE_COUNTERS:
+            yield _per_node(CounterMetricFamily, name, doc, nodes, value)
+        yield from _fleet_families([n for n in nodes if n.address is not None])
+
+
+_NodeValue = Callable[[Any], float | None]  # None: no sample yet, so no series rather than a false 0
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
+
+
+_NODE_GAUGES: list[tuple[str, str, _NodeValue]] = [
+    ("sluice_node_running_requests", "Requests running on the node", lambda n: n.running),
+    ("sluice_node_waiting_requests", "Requests waiting on the node", lambda n: n.waiting),
+    ("sluice_node_kv_blocks_used", "KV cache blocks in use", lambda n: n.kv_blocks_used),
+    ("sluice_node_kv_blocks_total", "KV cache blocks in the pool", lambda n: n.kv_blocks_total),
+    ("sluice_node_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens looked up",
+     lambda n: n.prefix_cache_hit_rate),
+    ("sluice_node_generation_tokens_per_second", "Recent output tokens per second",
+     lambda n: n.tokens_per_s),
+    ("sluice_node_sluggish", "1 when the node's latency stands out from its peers'",
+     lambda n: float(n.status == "sluggish")),
+    ("sluice_node_stalled", "1 when the node has work but produced no token for a while",
+     lambda n: float(n.status == "stalled")),
+    ("sluice_node_up", "1 when the node's engine process is alive", lambda n: float(n.status != "dead")),
+    ("sluice_node_ttft_p50_seconds", "Time to first token on the node, median over the health window",
+     lambda n: _seconds(n.ttft_p50_ms)),
+    ("sluice_node_itl_p50_seconds", "Inter-token latency on the node, median over the health window",
+     lambda n: _seconds(n.itl_p50_ms)),
+    ("sluice_node_itl_p99_seconds", "Inter-token latency on the node, p99 over the health window",
+     lambda n: _seconds(n.itl_p99_ms)),
+]
+_NODE_COUNTERS: list[tuple[str, str, _NodeValue]] = [
+    ("sluice_node_preemptions", "Preemptions since the node started", lambda n: n.preemptions),
+    # A tensor-parallel engine's step split: compute = forward - collective (docs/parallelism.md).
+    ("sluice_node_forward_seconds", "Seconds in the model forward (tensor-parallel engines)",
+     lambda n: n.forward_seconds),
+    ("sluice_node_collective_seconds", "Seconds of the forward in collectives (tensor-parallel engines)",
+     lambda n: n.collective_seconds),
+]
+_WORKER_COUNTERS: list[tuple[str, str, _NodeValue]] = [
+    ("sluice_fleet_worker_requests", "Attempts this gateway sent the worker", lambda n: n.requests),
+    ("sluice_fleet_worker_errors", "Attempts lost on the worker (refused connection, cut, stalled, timed out)",
+     lambda n: n.errors),
+    ("sluice_fleet_worker_failovers", "Requests moved off the worker to another after a failure there",
+     lambda n: n.failovers),
+]
+
+_F = TypeVar("_F", GaugeMetricFamily, CounterMetricFamily)
+
+
+def _per_node(family_type: type[_F], name: str, doc: str, nodes: list[Any], value: _NodeValue) -> _F:
+    """One family labelled by node, a sample for each node that has a value."""
+    family = family_type(name, doc, labels=["node"])
+    for n in nodes:
+        if (v := value(n)) is not None:
+            family.add_metric([n.id], v)
+    return family
 
 
 def _fleet_families(workers: list[Any]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     """What this gateway saw of each fleet worker (drivers/fleet): its traffic and its circuit."""
     if not workers:
         return
-    counters: list[tuple[str, str, Callable[[Any], float]]] = [
-        ("sluice_fleet_worker_requests", "Attempts this gateway sent the worker", lambda n: n.requests),
-        ("sluice_fleet_worker_errors", "Attempts lost on the worker (refused connection, cut, stalled, timed out)",
-         lambda n: n.errors),
-        ("sluice_fleet_worker_failovers", "Requests moved off the worker to another after a failure there",
-         lambda n: n.failovers),
-    ]
-    for name, doc, value in counters:
-        counter = CounterMetricFamily(name, doc, labels=["node"])
-        for n in workers:
-            counter.add_metric([n.id], value(n))
-        yield counter
-    in_flight = GaugeMetricFamily("sluice_fleet_worker_in_flight", "Streams this gateway has open on the worker",
-                                  labels=["node"])
+    for name, doc, value in _WORKER_COUNTERS:
+        yield _per_node(CounterMetricFamily, name, doc, workers, value)
+    yield _per_node(GaugeMetricFamily, "sluice_fleet_worker_in_flight", "Streams this gateway has open on the worker",
+                    workers, lambda n: n.in_flight)
     circuit = GaugeMetricFamily("sluice_fleet_worker_circuit", "1 for the worker's circuit breaker state",
                                 labels=["node", "state"])
     for n in workers:
-        in_flight.add_metric([n.id], n.in_flight)
         for state in ("closed", "open", "half_open"):
             circuit.add_metric([n.id, state], float(n.circuit == state))
-    yield in_flight
     yield circuit
 
 

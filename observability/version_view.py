@@ -15,13 +15,15 @@ The figures count since this gateway process started; each replica has its own.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import msgspec
 from prometheus_client import Counter, Histogram
 
 from observability.metrics import ServingMetrics
 
+K = TypeVar("K")
 OK_OUTCOMES = frozenset({"ok", "disconnected"})  # a client leaving is not the version's fault
 
 
@@ -60,35 +62,29 @@ def version_figures(metrics: ServingMetrics, version_ids: Iterable[str]) -> list
 
 
 def _outcomes(counter: Counter) -> dict[str, dict[str, int]]:
-    found: dict[str, dict[str, int]] = {}
-    for family in counter.collect():
-        for sample in family.samples:
-            if sample.name.endswith("_total"):
-                per = found.setdefault(sample.labels["model"], {})
-                status = sample.labels["status"]
-                per[status] = per.get(status, 0) + int(sample.value)
-    return found
+    by_status = _per_model(counter, "_total", lambda labels: labels["status"])
+    return {model: {status: int(n) for status, n in per.items()} for model, per in by_status.items()}
 
 
 def _token_sums(metrics: ServingMetrics) -> dict[str, int]:
-    found: dict[str, int] = {}
-    for family in metrics.tenant_tokens.collect():
-        for sample in family.samples:
-            if sample.name.endswith("_total") and sample.labels["token_type"] == "output":
-                model = sample.labels["model"]
-                found[model] = found.get(model, 0) + int(sample.value)
-    return found
+    by_type = _per_model(metrics.tenant_tokens, "_total", lambda labels: labels["token_type"])
+    return {model: int(per["output"]) for model, per in by_type.items() if "output" in per}
 
 
 def _buckets(histogram: Histogram) -> dict[str, dict[float, float]]:
     """model -> {upper bound: cumulative count}, summed over the other labels."""
-    found: dict[str, dict[float, float]] = {}
-    for family in histogram.collect():
+    return _per_model(histogram, "_bucket", lambda labels: float(labels["le"]))
+
+
+def _per_model(metric: Counter | Histogram, suffix: str, key: Callable[[dict[str, str]], K]) -> dict[str, dict[K, float]]:
+    """model -> {key of the sample's labels: value}, over the samples named `*suffix`, summed over the other labels."""
+    found: dict[str, dict[K, float]] = {}
+    for family in metric.collect():
         for sample in family.samples:
-            if sample.name.endswith("_bucket"):
+            if sample.name.endswith(suffix):
                 per = found.setdefault(sample.labels["model"], {})
-                le = float(sample.labels["le"])
-                per[le] = per.get(le, 0.0) + sample.value
+                k = key(sample.labels)
+                per[k] = per.get(k, 0.0) + sample.value
     return found
 
 

@@ -4,7 +4,6 @@ routing with its load guard, failover from a killed server, and KV events with r
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
@@ -13,6 +12,7 @@ from typing import TypeVar
 
 import httpx
 import pytest
+from driver_session import with_driver
 from standin_process import StandInProcess, expected_ids, standins, text_of
 
 from drivers.base import (
@@ -40,19 +40,13 @@ def config(servers: list[StandInProcess], **routing: float) -> SGLangConfig:
 
 
 def run(servers: list[StandInProcess], body: Callable[[SGLangDriver], Awaitable[T]], **routing: float) -> T:
-    async def main() -> T:
-        driver = SGLangDriver(config(servers, **routing))
-        await driver.start()
-
+    async def when_all_up(driver: SGLangDriver) -> T:
         async def all_up() -> bool:  # start() waits for one server; a busy machine may lag on the others
             health = await driver.health()
             return health.ready and not health.degraded
-        try:
-            await await_until(all_up, "every stand-in polled up")
-            return await body(driver)
-        finally:
-            await driver.stop()
-    return asyncio.run(main())
+        await await_until(all_up, "every stand-in polled up")
+        return await body(driver)
+    return with_driver(config(servers, **routing), when_all_up)
 
 
 def request(prompt: list[int], max_tokens: int = 12, **fields: object) -> GenerationRequest:
@@ -248,14 +242,7 @@ def test_a_restarted_gateway_reloads_its_approximate_trees(tmp_path: Path) -> No
     snapshot = str(tmp_path / "trees.msgpack")
     with standins(2) as servers:
         def with_snapshot(body: Callable[[SGLangDriver], Awaitable[T]]) -> T:
-            async def main() -> T:
-                driver = SGLangDriver(dataclasses.replace(config(servers), snapshot_path=snapshot))
-                await driver.start()
-                try:
-                    return await body(driver)
-                finally:
-                    await driver.stop()
-            return asyncio.run(main())
+            return with_driver(dataclasses.replace(config(servers), snapshot_path=snapshot), body)
 
         async def first(driver: SGLangDriver) -> str:
             chunks = await collect(driver, request(PROMPT, 2))

@@ -6,7 +6,6 @@ prompt beyond the context is a 400."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 from collections.abc import Awaitable, Callable
@@ -14,6 +13,7 @@ from typing import TypeVar
 
 import httpx
 import pytest
+from driver_session import with_driver
 
 from drivers.base import FinishReason, GenerationChunk, GenerationRequest, InvalidRequestError
 from drivers.sglang.config import SGLangConfig
@@ -26,14 +26,7 @@ T = TypeVar("T")
 
 
 def run(body: Callable[[SGLangDriver], Awaitable[T]]) -> T:
-    async def main() -> T:
-        driver = SGLangDriver(SGLangConfig(servers=(URL or "",), api_key=os.environ.get("SLUICE_SGLANG_API_KEY")))
-        await driver.start()
-        try:
-            return await body(driver)
-        finally:
-            await driver.stop()
-    return asyncio.run(main())
+    return with_driver(SGLangConfig(servers=(URL or "",), api_key=os.environ.get("SLUICE_SGLANG_API_KEY")), body)
 
 
 async def ask(driver: SGLangDriver, rid: str, max_tokens: int = 24, **fields: object) -> list[GenerationChunk]:
