@@ -8,7 +8,9 @@ for every layer); `paged_attention` runs one layer with it:
     sequence's block table in place; otherwise their blocks are gathered to
     [B, L_max, Hkv, D] and a length mask hides the padding;
   * each prefill chunk attends to its cached context plus its own tokens
-    causally, one SDPA call per sequence (chunks are few and long).
+    causally, one SDPA call per sequence (chunks are few and long); the sdpa
+    backend (attention_backends.py) runs its chunks through the same
+    `prefill_chunks` / `prefill_chunk_attention`.
 
 New K/V are written to the cache before attention, so "cached context" and "new
 tokens" are read the same way, through the block table.
@@ -34,6 +36,26 @@ class PrefillChunk:
     mask: torch.Tensor | None  # [query_len, context_len] bool, None when plain causal
 
 
+def prefill_chunks(batch: ForwardBatch, device: torch.device | None = None) -> list[PrefillChunk]:
+    """The step's sequences that compute more than one token, with their masks made on `device`
+    (None: torch's default one)."""
+    bs = batch.block_size
+    chunks: list[PrefillChunk] = []
+    for i, (start, qlen, ctx) in enumerate(
+        zip(batch.query_starts, batch.query_lens, batch.context_lens, strict=True)
+    ):
+        if qlen <= 1:
+            continue
+        nblocks = -(-ctx // bs)
+        mask = None
+        if ctx != qlen:
+            # Query j sits at position ctx - qlen + j and sees keys 0..that position.
+            q_pos = torch.arange(ctx - qlen, ctx, device=device).unsqueeze(1)
+            mask = torch.arange(ctx, device=device).unsqueeze(0) <= q_pos
+        chunks.append(PrefillChunk(start, qlen, ctx, batch.block_tables[i, :nblocks], mask))
+    return chunks
+
+
 @dataclass
 class AttentionPlan:
     num_tokens: int
@@ -52,20 +74,7 @@ class AttentionPlan:
         """`decode_kernel`: the decodes will run in the C++ kernel, which needs no mask."""
         bs = batch.block_size
         decode_seqs = [i for i, q in enumerate(batch.query_lens) if q == 1]
-        prefills: list[PrefillChunk] = []
-        for i, (start, qlen, ctx) in enumerate(
-            zip(batch.query_starts, batch.query_lens, batch.context_lens, strict=True)
-        ):
-            if qlen == 1 or qlen == 0:
-                continue
-            nblocks = -(-ctx // bs)
-            mask = None
-            if ctx != qlen:
-                # Query i sits at position ctx - qlen + i and sees keys 0..that position.
-                q_pos = torch.arange(ctx - qlen, ctx).unsqueeze(1)
-                mask = torch.arange(ctx).unsqueeze(0) <= q_pos
-            prefills.append(PrefillChunk(start, qlen, ctx, batch.block_tables[i, :nblocks], mask))
-
+        prefills = prefill_chunks(batch)
         if not decode_seqs:
             return cls(batch.num_tokens, bs, None, None, None, None, None, False, prefills)
         ctx_lens = torch.tensor([batch.context_lens[i] for i in decode_seqs], dtype=torch.long)
@@ -99,7 +108,6 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan
 ) -> torch.Tensor:
     """q [T, H, D] -> attention output [T, H, D] over each sequence's cached K/V."""
-    _, _, hkv, d = k_cache.shape
     if plan.decodes_are_whole_batch:
         return _decode_attention(q, k_cache, v_cache, plan)
     out = torch.empty_like(q)
@@ -107,19 +115,35 @@ def paged_attention(
         out[plan.decode_token_index] = _decode_attention(q[plan.decode_token_index], k_cache, v_cache, plan)
     for chunk in plan.prefills:
         # fp32 here: CPU SDPA is several times slower in bf16 than the cast costs.
-        qs = q[chunk.start : chunk.start + chunk.query_len].transpose(0, 1).unsqueeze(0).float()
-        k = k_cache.index_select(0, chunk.block_ids).view(-1, hkv, d)[: chunk.context_len].float()
-        v = v_cache.index_select(0, chunk.block_ids).view(-1, hkv, d)[: chunk.context_len].float()
-        o = F.scaled_dot_product_attention(
-            qs,
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            enable_gqa=True,
+        out[chunk.start : chunk.start + chunk.query_len] = prefill_chunk_attention(
+            q, k_cache, v_cache, chunk, torch.float32
         )
-        out[chunk.start : chunk.start + chunk.query_len] = o[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+def prefill_chunk_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The chunk's rows of q [T, H, D] attending to its cached context (its own tokens included,
+    causally) -> [query_len, H, D] in q's dtype. q, K and V are cast to `compute_dtype` first: each
+    caller keeps its own numerics (the native path fp32, the sdpa backend the cache's dtype)."""
+    _, _, hkv, d = k_cache.shape
+    qs = q[chunk.start : chunk.start + chunk.query_len].transpose(0, 1).unsqueeze(0).to(compute_dtype)
+    k = k_cache.index_select(0, chunk.block_ids).view(-1, hkv, d)[: chunk.context_len].to(compute_dtype)
+    v = v_cache.index_select(0, chunk.block_ids).view(-1, hkv, d)[: chunk.context_len].to(compute_dtype)
+    o = F.scaled_dot_product_attention(
+        qs,
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=chunk.mask,
+        is_causal=chunk.mask is None,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1).to(q.dtype)
 
 
 def _decode_attention(

@@ -18,7 +18,6 @@ until a GPU run (scripts/gpu_check.sh).
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Protocol
 
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 from engine_native.config import ModelConfig
 from engine_native.forward_batch import ForwardBatch, KVCache
+from engine_native.model.attention import PrefillChunk, prefill_chunk_attention, prefill_chunks
 
 NATIVE, SDPA, FLASHINFER = "native", "sdpa", "flashinfer"
 BACKEND_CHOICES = ("auto", NATIVE, SDPA, FLASHINFER)
@@ -103,15 +103,6 @@ def _length_mask(tables: torch.Tensor, context_lens: torch.Tensor, block_size: i
     return (key_pos.unsqueeze(0) < context_lens.unsqueeze(1)).view(tables.shape[0], 1, 1, -1)
 
 
-@dataclass
-class _Chunk:
-    start: int
-    query_len: int
-    context_len: int
-    block_ids: torch.Tensor
-    mask: torch.Tensor | None  # None: plain causal (the chunk is the whole context)
-
-
 class SdpaStep:
     """One forward's plan for `SdpaAttention`. A pure-decode step reads only the batch's tensors
     (block tables, `context_lens_tensor`), so replaying it from a CUDA graph sees new values."""
@@ -122,7 +113,7 @@ class SdpaStep:
         self.block_size = bs
         self.whole_decode: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # index, tables, mask
-        self.chunks: list[_Chunk] = []
+        self.chunks: list[PrefillChunk] = []
         if batch.is_pure_decode:
             ctx = batch.context_lens_tensor
             if ctx is None:
@@ -138,39 +129,19 @@ class SdpaStep:
             ctx = torch.tensor(ctx_list, dtype=torch.int64, device=dev)
             index = torch.tensor([batch.query_starts[i] for i in decodes], dtype=torch.int64, device=dev)
             self.decode = (index, tables, _length_mask(tables, ctx, bs))
-        for i, (start, qlen, ctx_len) in enumerate(
-            zip(batch.query_starts, batch.query_lens, batch.context_lens, strict=True)
-        ):
-            if qlen <= 1:
-                continue
-            mask = None
-            if ctx_len != qlen:
-                # Query j sits at position ctx_len - qlen + j and sees keys 0..that position.
-                q_pos = torch.arange(ctx_len - qlen, ctx_len, device=dev).unsqueeze(1)
-                mask = torch.arange(ctx_len, device=dev).unsqueeze(0) <= q_pos
-            self.chunks.append(_Chunk(start, qlen, ctx_len, batch.block_tables[i, : -(-ctx_len // bs)], mask))
+        self.chunks = prefill_chunks(batch, dev)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         if self.whole_decode is not None:
             return _gathered_decode(q, k_cache, v_cache, *self.whole_decode)
-        _, _, hkv, d = k_cache.shape
         out = torch.empty_like(q)
         if self.decode is not None:
             index, tables, mask = self.decode
             out[index] = _gathered_decode(q[index], k_cache, v_cache, tables, mask)
-        for c in self.chunks:
-            qs = q[c.start : c.start + c.query_len].transpose(0, 1).unsqueeze(0).to(k_cache.dtype)
-            k = k_cache.index_select(0, c.block_ids).view(-1, hkv, d)[: c.context_len]
-            v = v_cache.index_select(0, c.block_ids).view(-1, hkv, d)[: c.context_len]
-            o = F.scaled_dot_product_attention(
-                qs,
-                k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0),
-                attn_mask=c.mask,
-                is_causal=c.mask is None,
-                enable_gqa=True,
+        for c in self.chunks:  # in the cache's dtype, as the decodes above
+            out[c.start : c.start + c.query_len] = prefill_chunk_attention(
+                q, k_cache, v_cache, c, k_cache.dtype
             )
-            out[c.start : c.start + c.query_len] = o[0].transpose(0, 1).to(q.dtype)
         return out
 
 

@@ -13,7 +13,7 @@ import os
 import re
 import sys
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -162,14 +162,28 @@ def _llama3_from_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray, name: str)
     raise ModelLoadError(f"{name}: rope_freqs tensor does not match any llama3 scaling we support")
 
 
-def load_gguf(path: str, dtype: torch.dtype, progress: bool = True) -> LoadedModel:
+class GGUFFile(NamedTuple):
+    """An opened GGUF file, before any tensor is read: what every loader of one starts from."""
+
+    reader: GGUFReader
+    meta: dict[str, Any]  # the header (`read_metadata`)
+    # From the header alone: the loaders settle tied embeddings, vocab size and rope scaling from the tensors.
+    config: ModelConfig
+    permuted_qk: bool  # llama.cpp's converter permuted attn_q/attn_k rows for its interleaved RoPE
+
+
+def open_gguf(path: str) -> GGUFFile:
     try:
         reader = GGUFReader(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
     meta = read_metadata(reader)
     cfg = config_from_metadata(meta, path)
-    permuted = ARCHITECTURES[meta["general.architecture"]][1]
+    return GGUFFile(reader, meta, cfg, ARCHITECTURES[meta["general.architecture"]][1])
+
+
+def load_gguf(path: str, dtype: torch.dtype, progress: bool = True) -> LoadedModel:
+    reader, meta, cfg, permuted = open_gguf(path)
 
     weights: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantWeight] = {}
@@ -231,4 +245,12 @@ def _unpermuted_rows(num_rows: int, n_head: int) -> torch.Tensor:
     return torch.from_numpy(unpermute_qk(index, n_head).reshape(-1).copy())
 
 
-__all__ = ["config_from_metadata", "load_gguf", "permute_qk", "read_metadata", "unpermute_qk"]
+__all__ = [
+    "GGUFFile",
+    "config_from_metadata",
+    "load_gguf",
+    "open_gguf",
+    "permute_qk",
+    "read_metadata",
+    "unpermute_qk",
+]

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 from safetensors import safe_open
@@ -23,12 +22,10 @@ from safetensors import safe_open
 from engine_native.config import ModelConfig
 from engine_native.model.base import LoadedModel, ModelLoadError, ModelNotFoundError
 from engine_native.model.gguf_loader import (
-    ARCHITECTURES,
     SUPPORTED_TENSOR_TYPES,
     _llama3_from_rope_freqs,
-    config_from_metadata,
     gguf_name_to_hf,
-    read_metadata,
+    open_gguf,
     unpermute_qk,
 )
 from engine_native.model.gguf_tokenizer import tokenizer_from_gguf
@@ -119,13 +116,7 @@ def _gguf_reader(t: Any, unpermute_head_dim: int) -> SliceReader:
 def _load_gguf_shard(
     path: str, dtype: torch.dtype, placement: Placement, clock: CollectiveClock, with_tokenizer: bool
 ) -> LoadedModel:
-    try:
-        reader = GGUFReader(path)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-    meta = read_metadata(reader)
-    cfg = config_from_metadata(meta, path)
-    permuted = ARCHITECTURES[meta["general.architecture"]][1]
+    reader, meta, cfg, permuted = open_gguf(path)
     names = {gguf_name_to_hf(t.name) for t in reader.tensors}
     updates: dict[str, Any] = {"tie_word_embeddings": "lm_head.weight" not in names}
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
