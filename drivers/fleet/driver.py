@@ -44,7 +44,6 @@ log = logging.getLogger("sluice.fleet")
 INLINE_TOKENIZE_CHARS = 4096
 
 
-
 class FleetDriver(RoutedDriver[WorkerInfo]):
     def __init__(self, config: FleetConfig) -> None:
         self.router: FleetRouter = FleetRouter(config.router, NodeHealthMonitor([], config.node_health))

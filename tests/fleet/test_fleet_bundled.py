@@ -1,7 +1,7 @@
-"""The bundled model behind the fleet: two `sluice worker --driver native` processes and a gateway.
+"""The bundled model behind the fleet: three `sluice worker --driver native` processes and a gateway.
 Greedy streams through the fleet equal single-node output (one worker asked directly over the
 wire), and still do when the worker serving one is killed with SIGKILL mid-stream: the request
-resumes on the other worker from the prompt plus the tokens already sent. The gateway tokenizes
+resumes on another worker from the prompt plus the tokens already sent. The gateway tokenizes
 with the workers' tokenizer once it has fetched it, so the later streams also check its ids.
 
 One stream at a time: on a host with native bf16, a decode inside a step of more than
@@ -47,14 +47,15 @@ def single_node(url: str, prompt: str) -> str:
 
 
 def test_greedy_through_the_fleet_equals_single_node_even_across_a_kill_9() -> None:
-    with workers(2, *NATIVE, prefix="n", startup_timeout_s=300) as ws, \
+    with workers(3, *NATIVE, prefix="n", startup_timeout_s=300) as ws, \
             gateway("--workers", ",".join(w.url for w in ws), "--fleet-policy", "least-loaded") as base:
-        wait_for("both workers in the view", lambda: len(nodes(base)) == 2)
+        wait_for("all three workers in the view", lambda: len(nodes(base)) == 3)
         # The native worker's tokenizer travels: named in its info, served whole, the same by fingerprint.
         named = httpx.get(ws[0].url + wire.INFO_PATH, timeout=10).json()["tokenizers"][MODEL]
         spec = httpx.get(ws[0].url + wire.TOKENIZER_PATH, params={"model": MODEL}, timeout=30)
         assert fingerprint(SPEC_DECODER.decode(spec.content)) == named
-        reference = [single_node(ws[0].url, p) for p in PROMPTS[:2]] + [single_node(ws[1].url, PROMPTS[3])]
+        reference = [single_node(ws[0].url, PROMPTS[0]), single_node(ws[1].url, PROMPTS[1]),
+                     single_node(ws[2].url, PROMPTS[3])]
         body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
         for prompt, want in zip(PROMPTS[:2], reference, strict=False):
             s = Stream(base, {**body, "prompt": prompt}).start().join()
