@@ -61,6 +61,9 @@ async def _closed_loop(driver: NativeDriver, shedder: LoadShedder, model: str) -
             shedder.finished(pending)
 
     await one("warm", record=False)  # the prefix is cached from here on, as in a steady load
+    # The warm request's steps, the engine's first (slow while it warms up) and on the uncached prefix, are
+    # not what a steady load is served at: let them leave the engine's rate window (STATS_WINDOW_S, 5 s).
+    await asyncio.sleep(5.5)
 
     async def worker(w: int) -> None:
         # The first round's rate was measured on the cold prefix (computed whole): not recorded.
@@ -91,12 +94,12 @@ def test_a_shared_prefix_at_steady_concurrency_is_predicted_in_the_units_it_is_s
             await driver.stop()
 
     outcomes, refused = asyncio.run(main())
-    assert refused == 0  # before: 21 of 24 refused here, predicted beyond the 10 s target
+    assert refused == 0  # before: up to 21 of 24, as predictions passed the 10 s target
     predicted = [o for o in outcomes if o.predicted_s]
     # Requests admitted in the same step as others leave the rest waiting: such steps measure the rate.
     assert len(predicted) >= CONCURRENCY, outcomes
     ratio = sum(o.actual_s for o in predicted) / sum(o.predicted_s or 0 for o in predicted)
     each = statistics.median(o.actual_s / (o.predicted_s or 1) for o in predicted)
-    # Units: computed tokens made the prediction ~15x the real wait. Served tokens put it within a small
-    # factor (seen: actual / predicted 0.84 in all, 0.97 per request at the median).
+    # Units: computed tokens made the prediction ~15-20x the real wait (seen: actual / predicted 0.05).
+    # Served tokens put it within a small factor (seen: 0.84 in all, 0.97 per request at the median).
     assert 1 / 3 <= ratio <= 4, (ratio, each, [(o.predicted_s, round(o.actual_s, 3)) for o in outcomes])
