@@ -146,13 +146,15 @@ class DriverHealth(msgspec.Struct, frozen=True):
     generation_tokens_per_s: float = 0.0
     # What admission control (gateway.load_shedding) estimates queue waits from. Drivers that do not
     # know a figure leave its default; 0 throughput means "not measured yet".
-    prompt_tokens_per_s: float = 0.0  # prompt tokens computed per second, recently
+    # Prompt tokens served per second, recently: computed, or found in the prefix cache. The queues below
+    # count whole prompts, so the rate counts cached tokens too (the recent hit ratio is folded into it).
+    prompt_tokens_per_s: float = 0.0
     waiting_tokens: int = 0  # tokens queued (what max_waiting_tokens bounds)
     # Tokens the waiting requests still have to compute (prompt + max_tokens left), by priority.
     waiting_work_by_priority: dict[int, int] = {}
-    # What a first token waits on below the running cap (gateway.load_shedding): prompt tokens still to
-    # compute of queued requests by priority, of running requests still in prefill, and how fast prompts
-    # were computed while such work was queued (0: not measured).
+    # What a first token waits on below the running cap (gateway.load_shedding): prompt tokens not yet
+    # served of queued requests by priority, of running requests still in prefill, and how fast prompt
+    # tokens were served (computed or found in the prefix cache) while such work was queued (0: not measured).
     prefill_waiting_by_priority: dict[int, int] = {}
     prefill_running: int = 0
     prefill_tokens_per_s: float = 0.0

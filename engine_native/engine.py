@@ -53,6 +53,7 @@ class _StepRecord:
     end: float  # time.time() when the step ended
     generated: int  # tokens sampled
     prompt: int  # prompt tokens computed
+    cached: int  # prompt tokens found in the prefix cache by requests admitted in this step
     interval: float  # seconds since the previous step ended
     backlog: bool  # prompt work was left waiting when the step was scheduled
 
@@ -156,8 +157,6 @@ class LLMEngine:
         self.steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        # Each recent step: (end time, tokens generated, prompt tokens computed, seconds since the previous
-        # step ended, whether prompt work was left waiting when it was scheduled).
         self._recent: deque[_StepRecord] = deque()
         self._last_step_end = time.time()
         self._idle = True  # no work left after the last step: the next one's interval starts with it
@@ -243,6 +242,7 @@ class LLMEngine:
         prompt_tokens = sum(
             s.num_new_tokens for s in sched.scheduled if s.num_computed_before < s.request.num_prompt_tokens
         )
+        cached_tokens = sum(s.num_cached for s in sched.scheduled)
         self.prompt_tokens_total += prompt_tokens
         self.generation_tokens_total += len(updates)
         # Prompt work was left over: a chunk that did not reach its sample, or requests still waiting. Such
@@ -252,7 +252,7 @@ class LLMEngine:
         # requests: after idle, a step's interval starts when it does. (A step after a minute of idle
         # counted the minute, and the prefill rate it reported made the next burst look minutes long.)
         since = started if self._idle else self._last_step_end
-        self._recent.append(_StepRecord(now, len(updates), prompt_tokens, now - since, backlog))
+        self._recent.append(_StepRecord(now, len(updates), prompt_tokens, cached_tokens, now - since, backlog))
         self._last_step_end = now
         self._idle = not self.scheduler.has_work
         while self._recent and now - self._recent[0].end > STATS_WINDOW_S:
@@ -332,7 +332,12 @@ class LLMEngine:
         window = [w for w in self._recent if now - w.end <= STATS_WINDOW_S]
         span = (now - window[0].end) if len(window) > 1 else 0.0
         rate = sum(w.generated for w in window) / span if span > 0 else 0.0
-        prompt_rate = sum(w.prompt for w in window) / span if span > 0 else 0.0
+        # Prompt rates count tokens served, computed or found in the prefix cache, because that is how the
+        # work ahead of a request is counted (whole prompts: the gateway's, and the waiting requests' here,
+        # whose cache lookup comes when they are admitted). In computed tokens alone, a queue of prompts
+        # sharing a 1,000-token cached prefix looked 15x longer than it was, and admission control refused
+        # a load the engine served. Served tokens fold the recent cache hit ratio into the rate.
+        prompt_rate = sum(w.prompt + w.cached for w in window) / span if span > 0 else 0.0
         busy = [w for w in window if w.backlog]
         busy_s = sum(w.interval for w in busy)
         work: dict[int, int] = {}
@@ -360,7 +365,7 @@ class LLMEngine:
             waiting_work_by_priority=work,
             prefill_waiting_by_priority=prefill_waiting,
             prefill_running=sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in self.scheduler.running),
-            prefill_tokens_per_s=sum(w.prompt for w in busy) / busy_s if busy_s > 0 else 0.0,
+            prefill_tokens_per_s=sum(w.prompt + w.cached for w in busy) / busy_s if busy_s > 0 else 0.0,
             max_waiting=self.config.scheduler.max_waiting,
             max_waiting_tokens=self.config.scheduler.max_waiting_tokens,
             forward_s_total=self.group.forward_s if self.group else 0.0,

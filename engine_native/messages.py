@@ -120,14 +120,18 @@ class EngineStats(msgspec.Struct, tag="stats", kw_only=True):
     generation_tokens_per_s: float  # over the recent window
     steps: int
     timestamp: float
-    prompt_tokens_per_s: float = 0.0  # prompt tokens computed per second over the recent window
+    # Prompt tokens served per second over the recent window: computed, or found in the prefix cache when
+    # their request was admitted (the unit every queue of prompt tokens here is counted in).
+    prompt_tokens_per_s: float = 0.0
     waiting_tokens: int = 0  # what SchedulerConfig.max_waiting_tokens bounds
     # Tokens the waiting requests still have to compute (rest of the prompt + max_tokens not yet
     # generated), by priority: the work a new request of priority p waits behind is that of p' <= p.
     waiting_work_by_priority: dict[int, int] = {}
-    # What a new request's first token waits on: prompt tokens (and recomputed outputs) still to compute
-    # of waiting requests by priority, those of running requests still in prefill (ahead of every waiting
-    # one), and how fast prompt tokens were computed while such work was queued (0: not measured).
+    # What a new request's first token waits on: prompt tokens (and recomputed outputs) not yet served of
+    # waiting requests by priority (whole: their prefix cache lookup comes when they are admitted), those
+    # of running requests still in prefill (ahead of every waiting one; their cached prefix was served when
+    # they were admitted), and how fast prompt tokens were served, computed or found cached, while such
+    # work was queued (0: not measured).
     prefill_waiting_by_priority: dict[int, int] = {}
     prefill_running: int = 0
     prefill_tokens_per_s: float = 0.0

@@ -39,11 +39,14 @@ class ScheduledRequest:
     # Whether this step computes through the request's last known token, so it samples the next.
     # Fixed at schedule time: the request's token count grows once the step's token is appended.
     samples: bool = False
+    # Tokens found in the prefix cache when the request was admitted this step (0 otherwise): served
+    # without being computed, so the engine's prefill rate counts them (engine.py, stats()).
+    num_cached: int = 0
 
     @classmethod
-    def of(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    def of(cls, request: Request, num_new_tokens: int, num_cached: int = 0) -> ScheduledRequest:
         before = request.num_computed_tokens
-        return cls(request, num_new_tokens, before, before + num_new_tokens == request.num_tokens)
+        return cls(request, num_new_tokens, before, before + num_new_tokens == request.num_tokens, num_cached)
 
 
 @dataclass
@@ -259,7 +262,7 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest.of(request, n_new))
+            out.scheduled.append(ScheduledRequest.of(request, n_new, 0 if swapped else start))
             budget -= n_new
 
     def _preempt_less_important(self, request: Request, out: SchedulerOutput) -> int | None:

@@ -4,8 +4,8 @@ Before a request is dispatched, the gateway predicts its time to first token and
 the TTFT target of its priority tier. A request's first token waits on one of two things:
 
   * prompts ahead of it (prefill-bound, the usual case below the running cap): its own prompt and
-    every prompt token still to compute of requests at priority <= p, at the rate prompts were
-    computed while such work was queued (`DriverHealth.prefill_tokens_per_s`):
+    every prompt token not yet served of requests at priority <= p, at the rate prompt tokens were
+    served while such work was queued (`DriverHealth.prefill_tokens_per_s`):
 
         prefill(p) = (running prefill left + queued prompt tokens of priority <= p + own prompt)
                      / prefill rate
@@ -15,12 +15,20 @@ the TTFT target of its priority tier. A request's first token waits on one of tw
     as running requests finish, so everything queued ahead must largely run first:
 
         slots(p) = (prompt + max_tokens left of queued requests of priority <= p)
-                   / (prompt + generation tokens per second)
+                   / (prompt tokens served + generation tokens per second)
 
     "Ahead" is the larger of the engine's figures (up to ~0.1 s old) and this gateway's own count
     of what it sent that has no first token yet (exact, never stale).
 
     predicted(p) = calibration x max(prefill(p), slots(p) when slot-bound)
+
+Work and rates are in one unit, prompt tokens *served*: whole prompts, whether the engine computes
+them or finds part of them in its prefix cache. What is queued is counted whole (this gateway cannot
+know a prompt's cache hits, nor can the engine before it admits the request), so the engine's rates
+count the cached tokens it served too, and the recent hit ratio is folded into the rate. (Rates of
+computed tokens alone made prompts sharing a 1,000-token cached prefix look 15x longer than they were,
+beyond what calibration can absorb, and a load the engine served was refused.) The estimate assumes
+the queued prompts hit the cache as the recent ones did; calibration corrects the rest.
 
 `calibration` is learned: when an admitted request's first token comes, the TTFT it really had is
 compared with the prediction made when it was admitted, and the factor follows the ratio (a slow
