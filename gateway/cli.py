@@ -231,6 +231,7 @@ def _fleet_config(args: argparse.Namespace, env: Settings, node_health: NodeHeal
         breaker=BreakerConfig(failures_to_open=args.fleet_breaker_failures, open_s=args.fleet_breaker_open),
         node_health=node_health,
         max_attempts=args.fleet_max_attempts,
+        sglang=sglang_config(args, env, node_health) if comma_list(args.sglang_servers) else None,
     )
 
 

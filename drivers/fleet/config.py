@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from drivers.fleet.breaker import BreakerConfig
 from drivers.fleet.client import FleetTimeouts
 from drivers.fleet.router import RouterConfig
+from drivers.sglang.config import SGLangConfig
 from observability.node_health import NodeHealthConfig
 
 
@@ -32,9 +33,12 @@ class FleetConfig:
     ttl_s: float = 2.5
     """A static worker that has not answered its info poll for this long leaves the view (Redis:
     the record's TTL, set by the worker)."""
+    sglang: SGLangConfig | None = None
+    """SGLang servers as a second node kind of this fleet (--sglang-servers with --driver fleet;
+    docs/sglang.md); None: `sluice worker`s only."""
 
     def __post_init__(self) -> None:
-        if not self.workers and not self.redis_url:
-            raise ValueError("the fleet driver needs --workers URL,... or --fleet-redis URL")
+        if not self.workers and not self.redis_url and self.sglang is None:
+            raise ValueError("the fleet driver needs --workers URL,..., --fleet-redis URL or --sglang-servers URL,...")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")

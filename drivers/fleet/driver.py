@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING
 
 from drivers.base import (
     DriverHealth,
@@ -27,15 +28,20 @@ from drivers.base import (
     milliseconds,
 )
 from drivers.fleet import wire
-from drivers.fleet.client import WorkerClient
+from drivers.fleet.client import WorkerClient, WorkerLost
 from drivers.fleet.config import FleetConfig
 from drivers.fleet.membership import Membership, RedisMembership, StaticMembership
 from drivers.fleet.routed import RoutedDriver, WorkerTally
 from drivers.fleet.router import FleetRouter
+from drivers.fleet.routing import NoWorkerError
 from drivers.fleet.tokenizers import GatewayTokenizers
 from drivers.fleet.wire import WorkerInfo, WorkerState
 from drivers.options import EngineOptions
 from observability.node_health import NodeHealthMonitor, NodeStatus
+
+if TYPE_CHECKING:
+    from drivers.sglang.driver import SGLangDriver
+    from drivers.sglang.router import ServerNode
 
 log = logging.getLogger("sluice.fleet")
 
@@ -44,7 +50,11 @@ log = logging.getLogger("sluice.fleet")
 INLINE_TOKENIZE_CHARS = 4096
 
 
-class FleetDriver(RoutedDriver[WorkerInfo]):
+class FleetDriver(RoutedDriver["WorkerInfo | ServerNode"]):
+    """`sluice worker`s, and SGLang servers as a second node kind when `config.sglang` names some: a
+    request for a model goes to the nodes that serve it, whichever kind (both: the kind whose least
+    loaded node is less loaded picks, each by its own policy); the failover loop is the same."""
+
     def __init__(self, config: FleetConfig) -> None:
         self.router: FleetRouter = FleetRouter(config.router, NodeHealthMonitor([], config.node_health))
         super().__init__(self.router, config.breaker, config.max_attempts)
@@ -59,11 +69,16 @@ class FleetDriver(RoutedDriver[WorkerInfo]):
         self.tokenized_here = 0  # prompts tokenized by this gateway, not sent to a worker for it
         self._watch: asyncio.Task[None] | None = None
         self._started = False
+        self.sglang: SGLangDriver | None = None
+        if config.sglang is not None:
+            from drivers.sglang.driver import SGLangDriver
+
+            self.sglang = SGLangDriver(config.sglang, fleet=self)
 
     @classmethod
     def from_options(cls, options: EngineOptions) -> FleetDriver:
         if options.fleet is None:
-            raise ValueError("the fleet driver needs --workers URL,... or --fleet-redis URL")
+            raise ValueError("the fleet driver needs --workers URL,..., --fleet-redis URL or --sglang-servers URL,...")
         return cls(options.fleet)
 
     # ----- lifecycle -------------------------------------------------------------------
@@ -71,9 +86,12 @@ class FleetDriver(RoutedDriver[WorkerInfo]):
     async def start(self) -> None:
         await self.membership.start()
         self._watch = asyncio.create_task(self._watch_health(), name="sluice-fleet-health")
+        if self.sglang is not None:
+            await self.sglang.start()
         self._started = True
-        await self._wait_for_first(self._ready_workers, 0.1)
-        log.info("fleet driver started: %d workers ready", len(self._ready_workers()))
+        await self._wait_for_first(lambda: self._ready_workers() or self._servers_up(), 0.1)
+        log.info("fleet driver started: %d workers ready, %d SGLang servers up", len(self._ready_workers()),
+                 len(self._servers_up()))
 
     async def stop(self) -> None:
         if not self._started:
@@ -84,26 +102,41 @@ class FleetDriver(RoutedDriver[WorkerInfo]):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
         await self.membership.stop()
+        if self.sglang is not None:
+            await self.sglang.stop()
         await self.tokenizers.aclose()
         await self.client.aclose()
 
     def _ready_workers(self) -> list[WorkerInfo]:
         return [w for w in self.membership.view.values() if w.state is WorkerState.READY]
 
+    def _servers_up(self) -> list[ServerNode]:
+        return self.sglang._up() if self.sglang is not None else []
+
+    def _workers_serve(self, model: str) -> bool:
+        return any(card.id == model for w in self._ready_workers() for card in w.models)
+
+    def _servers_serve(self, model: str) -> bool:
+        return self.sglang is not None and any(c.id == model for c in self.sglang.models())
+
     # ----- the seam --------------------------------------------------------------------
 
     def models(self) -> list[ModelCard]:
         cards: dict[str, ModelCard] = {}
-        for worker in self._ready_workers():
-            for card in worker.models:
-                known = cards.get(card.id)
-                if known is None or card.max_model_len < known.max_model_len:
-                    cards[card.id] = card
+        served = [card for w in self._ready_workers() for card in w.models]
+        if self.sglang is not None:
+            served += self.sglang.models()
+        for card in served:
+            known = cards.get(card.id)
+            if known is None or card.max_model_len < known.max_model_len:
+                cards[card.id] = card
         return sorted(cards.values(), key=lambda c: c.id)
 
     async def tokenize(self, request: GenerationRequest) -> list[int]:
+        if self.sglang is not None and not self._workers_serve(request.model) and self._servers_serve(request.model):
+            return await self.sglang.tokenize(request)
         if not any(c.id == request.model for c in self.models()):
-            if not self._ready_workers():
+            if not self._ready_workers() and not self._servers_up():
                 raise OverloadedError("no fleet worker is ready", retry_after=1.0)
             raise ModelNotFoundError(request.model)
         local = self.tokenizers.for_model(request.model, self._ready_workers())
@@ -116,25 +149,62 @@ class FleetDriver(RoutedDriver[WorkerInfo]):
                                     prompt_token_ids=request.prompt_token_ids, messages=request.messages)
         return await self._tokenize_anywhere(request, lambda worker: self.client.tokenize(worker.address, body))
 
-    def _candidates(self, model: str, tried: list[str]) -> list[WorkerInfo]:
-        return self.router.candidates(self.membership.view, model, time.monotonic(), tried)
+    def _candidates(self, model: str, tried: list[str]) -> list[WorkerInfo | ServerNode]:
+        if self.sglang is None:
+            return list(self.router.candidates(self.membership.view, model, time.monotonic(), tried))
+        found: list[WorkerInfo | ServerNode] = []
+        why: list[str] = []
+        for kind in (lambda: self.router.candidates(self.membership.view, model, time.monotonic(), tried),
+                     lambda: self.sglang._candidates(model, tried) if self.sglang is not None else []):
+            try:
+                found.extend(kind())
+            except NoWorkerError as exc:
+                why.append(str(exc))
+        if not found:
+            raise NoWorkerError("; ".join(why))
+        return found
 
-    def _choose(self, candidates: list[WorkerInfo], prompt: list[int], tenant_id: str | None) -> WorkerInfo:
-        return self.router.pick(candidates, prompt, tenant_id, self.membership.view)
+    def _choose(
+        self, candidates: list[WorkerInfo | ServerNode], prompt: list[int], tenant_id: str | None
+    ) -> WorkerInfo | ServerNode:
+        workers = [c for c in candidates if isinstance(c, WorkerInfo)]
+        servers = [c for c in candidates if not isinstance(c, WorkerInfo)]
+        if servers and self.sglang is not None and (
+            not workers or min(map(self._load, servers)) < min(map(self._load, workers))
+        ):
+            return self.sglang._choose(servers, prompt, tenant_id)
+        return self.router.pick(workers, prompt, tenant_id, self.membership.view)
 
-    def _load(self, node: WorkerInfo) -> float:
-        return self.router.load(node)
+    def _load(self, node: WorkerInfo | ServerNode) -> float:
+        if isinstance(node, WorkerInfo):
+            return self.router.load(node)
+        assert self.sglang is not None
+        return self.sglang._load(node)
+
+    def _failed(self, node: WorkerInfo | ServerNode, exc: WorkerLost) -> None:
+        if isinstance(node, WorkerInfo) or self.sglang is None:
+            super()._failed(node, exc)
+        else:
+            self.sglang._failed(node, exc)
 
     def _card(self, model: str) -> ModelCard:
+        if self.sglang is not None and not self._workers_serve(model) and self._servers_serve(model):
+            return self.sglang._card(model)  # its servers are down: 503, not 404
         card = next((c for c in self.models() if c.id == model), None)
         if card is None:
             raise ModelNotFoundError(model)
         return card
 
     async def _attempt(
-        self, worker: WorkerInfo, request: GenerationRequest, rid: str, prompt: list[int], sent: list[int],
-        budget: int,
+        self, worker: WorkerInfo | ServerNode, request: GenerationRequest, rid: str, prompt: list[int],
+        sent: list[int], budget: int,
     ) -> AsyncGenerator[GenerationChunk, None]:
+        if not isinstance(worker, WorkerInfo):
+            assert self.sglang is not None
+            async with contextlib.aclosing(self.sglang._attempt(worker, request, rid, prompt, sent, budget)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
         submit = self._submit(request, rid, prompt, sent, budget, worker)
         trace = {"traceparent": request.trace_parent} if request.trace_parent else None  # worker span's parent
         last_token: float | None = None
@@ -196,12 +266,13 @@ class FleetDriver(RoutedDriver[WorkerInfo]):
         if not self._started:
             return DriverHealth(ready=False, detail="the fleet driver is not started")
         everyone = len(self.membership.view)
+        servers = await self.sglang.health() if self.sglang is not None else None
         return DriverHealth(
-            ready=bool(ready),
-            detail="" if ready else "no fleet worker is ready",
-            degraded=len(ready) < everyone,
-            running=sum(x.running for x in loads),
-            waiting=sum(x.waiting for x in loads),
+            ready=bool(ready) or (servers is not None and servers.ready),
+            detail="" if ready or (servers is not None and servers.ready) else "no fleet worker is ready",
+            degraded=len(ready) < everyone or (servers is not None and servers.degraded),
+            running=sum(x.running for x in loads) + (servers.running if servers else 0),
+            waiting=sum(x.waiting for x in loads) + (servers.waiting if servers else 0),
             kv_blocks_used=sum(x.kv_blocks_used for x in loads),
             kv_blocks_total=sum(x.kv_blocks_total for x in loads),
             generation_tokens_per_s=sum(x.generation_tokens_per_s for x in loads),
@@ -229,6 +300,8 @@ class FleetDriver(RoutedDriver[WorkerInfo]):
                 circuit=str(breaker.state) if breaker else "closed", in_flight=self.router.in_flight.get(wid, 0),
                 requests=tally.requests, errors=tally.errors, failovers=tally.failovers,
             ))
+        if self.sglang is not None:
+            nodes += self.sglang.nodes().nodes
         events = [NodeEvent(ev.time, ev.node, str(ev.kind), ev.reason) for ev in self.monitor.events]
         return NodesReport(nodes, events)
 
@@ -243,7 +316,10 @@ class FleetDriver(RoutedDriver[WorkerInfo]):
                 if self.monitor.status(wid) is NodeStatus.DEAD:
                     self.monitor.mark_restarted(wid, now)  # back in the view: judged afresh
                 self.monitor.set_in_flight(wid, self.router.in_flight.get(wid, 0), now)
+            servers = {n.id for n in self.sglang.servers} if self.sglang is not None else set()
             for wid in self.router.breakers:
+                if wid in servers:
+                    continue  # SGLang servers: their own poll says up or down (drivers/sglang/driver.py)
                 if wid not in self.membership.view and self.monitor.status(wid) is not NodeStatus.DEAD:
                     self.monitor.mark_dead(wid, "left the fleet (no heartbeat)", now)
             for event in self.monitor.evaluate(now):

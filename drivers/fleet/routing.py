@@ -27,10 +27,12 @@ class NodeFilter:
     noun = "node"  # how the refusal names what it could not find ("no worker can take the request")
     nobody = "no node is known"  # the reason when there is no node at all
 
-    def __init__(self, monitor: NodeHealthMonitor) -> None:
+    def __init__(self, monitor: NodeHealthMonitor, shared: NodeFilter | None = None) -> None:
+        """`shared`: the router of another node kind in the same fleet, whose breakers and counts of open
+        streams this one keeps too (node ids are distinct across kinds)."""
         self.monitor = monitor
-        self.breakers: dict[str, CircuitBreaker] = {}
-        self.in_flight: dict[str, int] = {}  # streams this router has open, by node
+        self.breakers: dict[str, CircuitBreaker] = shared.breakers if shared is not None else {}
+        self.in_flight: dict[str, int] = shared.in_flight if shared is not None else {}  # open streams, by node
 
     def filter(
         self, nodes: Iterable[tuple[str, str | None, NodeT]], now: float, exclude: Iterable[str] = ()

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import jinja2
@@ -66,9 +67,14 @@ def server_id(address: str) -> str:
 class SGLangDriver(RoutedDriver[ServerNode]):
     nodes_noun = "SGLang servers"
 
-    def __init__(self, config: SGLangConfig) -> None:
-        self.router: CacheAwareRouter = CacheAwareRouter(config.routing, NodeHealthMonitor([], config.node_health))
+    def __init__(self, config: SGLangConfig, fleet: RoutedDriver[Any] | None = None) -> None:
+        """`fleet`: the fleet driver these servers are a node kind of (`--driver fleet --sglang-servers`); they
+        then share its node health, breakers, open-stream counts and tallies, and it drives the requests."""
+        monitor = fleet.monitor if fleet is not None else NodeHealthMonitor([], config.node_health)
+        self.router: CacheAwareRouter = CacheAwareRouter(config.routing, monitor, fleet.router if fleet else None)
         super().__init__(self.router, config.breaker, config.max_attempts)
+        if fleet is not None:
+            self.tallies = fleet.tallies
         self.config = config
         self.client = SGLangClient(config.api_key, config.timeouts)
         self.servers = [ServerNode(id=server_id(a.rstrip("/")), address=a.rstrip("/")) for a in config.servers]

@@ -67,8 +67,8 @@ class CacheAwareRouter(NodeFilter):
     noun = "SGLang server"
     nobody = "no server configured"
 
-    def __init__(self, config: CacheRoutingConfig, monitor: NodeHealthMonitor) -> None:
-        super().__init__(monitor)
+    def __init__(self, config: CacheRoutingConfig, monitor: NodeHealthMonitor, shared: NodeFilter | None = None) -> None:
+        super().__init__(monitor, shared)
         self.config = config
         self.trees: dict[str, PrefixTree] = {}
         self.events: dict[str, KVEventSubscriber] = {}
