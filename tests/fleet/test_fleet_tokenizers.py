@@ -65,10 +65,11 @@ async def _gateway_side(urls: list[str]) -> None:
         requests = _requests(model)
         await driver.tokenize(requests[0])  # the first: asked of a worker while the tokenizer is fetched
         assert driver.tokenized_here == 0
-        for _ in range(200):
+        for _ in range(1200):  # a deadline that only catches a hang: the fetch is one small GET
             if driver.tokenizers.for_model(model, driver._ready_workers()) is not None:
                 break
             await asyncio.sleep(0.05)
+        assert driver.tokenizers.for_model(model, driver._ready_workers()) is not None, "the tokenizer never arrived"
         for request in requests:
             here = await driver.tokenize(request)
             asked = wire.TokenizeRequest(model=model, prompt=request.prompt, messages=request.messages,
@@ -106,7 +107,7 @@ def test_workers_that_disagree_on_the_tokenizer_tokenize_every_prompt_themselves
         assert not held._fetching
         # Agreement starts a fetch; the address is unreachable, so none is held and none is retried at once.
         assert held.for_model("m", [_worker("a", "f1"), _worker("b", "f1")]) is None
-        for _ in range(200):
+        for _ in range(1200):
             if not held._fetching:
                 break
             await asyncio.sleep(0.05)
