@@ -150,14 +150,16 @@ class FleetDriver(RoutedDriver["WorkerInfo | ServerNode"]):
         return await self._tokenize_anywhere(request, lambda worker: self.client.tokenize(worker.address, body))
 
     def _candidates(self, model: str, tried: list[str]) -> list[WorkerInfo | ServerNode]:
-        if self.sglang is None:
-            return list(self.router.candidates(self.membership.view, model, time.monotonic(), tried))
+        """Both kinds' candidates; NoWorkerError, naming why for each kind, only when neither has one."""
         found: list[WorkerInfo | ServerNode] = []
         why: list[str] = []
-        for kind in (lambda: self.router.candidates(self.membership.view, model, time.monotonic(), tried),
-                     lambda: self.sglang._candidates(model, tried) if self.sglang is not None else []):
+        try:
+            found.extend(self.router.candidates(self.membership.view, model, time.monotonic(), tried))
+        except NoWorkerError as exc:
+            why.append(str(exc))
+        if self.sglang is not None:
             try:
-                found.extend(kind())
+                found.extend(self.sglang._candidates(model, tried))
             except NoWorkerError as exc:
                 why.append(str(exc))
         if not found:
