@@ -201,6 +201,9 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     requests: int = 0  # attempts this gateway sent it (a failed-over request counts on each worker)
     errors: int = 0  # of those, lost: connection refused, stream cut, stalled or timed out
     failovers: int = 0  # requests moved off it to another worker after a failure here
+    # SGLang servers: KV pool in use as a fraction (from its /metrics), and where its load figures come from
+    kv_usage: float | None = None
+    load_source: str | None = None  # "/get_load" | "/metrics" | "" (neither: only this gateway's streams count)
 
 
 class NodeEvent(msgspec.Struct, frozen=True):

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import httpx
 import msgspec
@@ -44,6 +45,11 @@ class SGLangClient:
         response = await self.http.get(address + path, timeout=timeout_s)
         response.raise_for_status()
         return response.json()
+
+    async def get_text(self, address: str, path: str, timeout_s: float) -> str:
+        response = await self.http.get(address + path, timeout=timeout_s)
+        response.raise_for_status()
+        return response.text
 
     async def healthy(self, address: str, timeout_s: float) -> bool:
         """/health_generate: 200 once a one-token generation went through (or the server is busy
@@ -131,7 +137,13 @@ def _retry_after(headers: httpx.Headers) -> float | None:
     return None
 
 
-def parse_load(payload: Any) -> tuple[int, int]:
+class ServerLoad(NamedTuple):
+    running: int
+    waiting: int
+    kv_usage: float | None = None  # fraction of the KV pool in use; /get_load does not say
+
+
+def parse_load(payload: Any) -> ServerLoad:
     """(running, waiting) from /get_load: a list of per-DP-rank {"num_reqs", "num_waiting_reqs", ...}
     or, in older servers, {"load": N}."""
     ranks = payload if isinstance(payload, list) else [payload]
@@ -141,4 +153,31 @@ def parse_load(payload: Any) -> tuple[int, int]:
             continue
         running += int(rank.get("num_reqs", rank.get("load", 0)) or 0)
         waiting += int(rank.get("num_waiting_reqs", 0) or 0)
-    return running, waiting
+    return ServerLoad(running, waiting)
+
+
+_GAUGES = {"sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "waiting", "sglang:token_usage": "kv"}
+
+
+def parse_metrics(text: str) -> ServerLoad:
+    """The load gauges from SGLang's Prometheus text (/metrics, --enable-metrics): requests summed over
+    the samples (one per DP rank or label set), KV usage the fullest sample's. Lines that are not one
+    of these gauges, or not a number, are skipped. ValueError when none of the request gauges is there:
+    a /metrics that is not SGLang's says nothing about load."""
+    found: dict[str, list[float]] = {"running": [], "waiting": [], "kv": []}
+    for line in text.splitlines():
+        if not line.startswith("sglang:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        which = _GAUGES.get(name)
+        if which is None:
+            continue
+        rest = line.rsplit("}", 1)[1] if "{" in line else line[len(name):]  # value [timestamp]
+        with contextlib.suppress(ValueError, IndexError):
+            value = float(rest.split()[0])
+            if math.isfinite(value):
+                found[which].append(value)
+    if not found["running"] and not found["waiting"]:
+        raise ValueError("/metrics has no sglang:num_running_reqs or sglang:num_queue_reqs")
+    kv = max(found["kv"]) if found["kv"] else None
+    return ServerLoad(int(sum(found["running"])), int(sum(found["waiting"])), kv)

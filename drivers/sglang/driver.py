@@ -284,6 +284,7 @@ class SGLangDriver(RoutedDriver[ServerNode]):
                 restarts=node.restarts, address=node.address, state="ready" if node.up else "down",
                 circuit=str(breaker.state) if breaker else "closed", in_flight=self.router.in_flight.get(node.id, 0),
                 requests=tally.requests, errors=tally.errors, failovers=tally.failovers,
+                kv_usage=node.kv_usage, load_source=node.load_source,
             ))
         events = [NodeEvent(ev.time, ev.node, str(ev.kind), ev.reason) for ev in self.monitor.events]
         return NodesReport(out, events)

@@ -9,6 +9,8 @@
     POST /tokenize        {"prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}
     GET  /health_generate 200 when a one-token generation went through; 503 while starting / unhealthy
     GET  /v1/models, /get_model_info, /get_server_info, /get_load
+    GET  /metrics         Prometheus text, with --enable-metrics: sglang:num_running_reqs,
+                          sglang:num_queue_reqs, sglang:token_usage (one sample per DP rank / label set)
 
 One stream output (`GenerateOut`) has the text, the token ids and `meta_info` (counts,
 `cached_tokens`, `finish_reason` as {"type": "stop" | "length" | "abort", "matched", "message",
@@ -35,6 +37,7 @@ MODELS_PATH = "/v1/models"
 MODEL_INFO_PATH = "/get_model_info"
 SERVER_INFO_PATH = "/get_server_info"
 LOAD_PATH = "/get_load"
+METRICS_PATH = "/metrics"
 DONE = b"[DONE]"
 
 # [logprob, token id, token text]; SGLang's JSON writes -inf as null, hence the optional logprob.

@@ -13,8 +13,8 @@
     miss     the least-loaded candidate; ties rotate (a turn counter), so a run of cache misses on
              an idle fleet spreads instead of always landing on the same replica
 
-Load is max(requests the server reported in /get_load, streams this gateway has open there), so a
-poll's lag never hides what was just sent.
+Load is max(requests the server reported in /get_load or /metrics, streams this gateway has open
+there), so a poll's lag never hides what was just sent.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class ServerNode:
     last_ok: float = 0.0  # time.monotonic() of that answer
     running: int = 0
     waiting: int = 0
+    kv_usage: float | None = None  # fraction of its KV pool in use, when /metrics says
+    load_source: str | None = None  # where running / waiting come from: "/get_load", "/metrics", "" (none); None: not probed
     detail: str = "not polled yet"
     restarts: int = 0  # times it came back after being down
     extra: dict[str, object] = field(default_factory=dict)

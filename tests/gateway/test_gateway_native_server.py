@@ -123,7 +123,13 @@ def test_disconnect_mid_stream_frees_the_kv_blocks(native: Server) -> None:
                 received += 1
             if received == 5:
                 break
+        # The engine sends its stats at most every 100 ms (engine_native/process.py): wait for the snapshot
+        # that shows the stream running, with the stream still open.
+        deadline = time.monotonic() + 5
         busy = native.stats()
+        while not busy["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+            busy = native.stats()
         assert busy["running"] == 1 and busy["kv_blocks_used"] > 0
     # The client is gone: the engine must abort the request and free its blocks promptly.
     deadline = time.monotonic() + 5

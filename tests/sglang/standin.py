@@ -171,9 +171,11 @@ class StandIn:
                 "model_path": a.model, "served_model_name": a.model, "context_length": a.context_length,
                 "incremental_streaming_output": a.incremental_streaming_output, "page_size": a.page_size,
                 "max_total_num_tokens": 100_000, "internal_states": [{}], "version": "standin"})
-        if path == "/get_load":
+        if path == "/get_load" and not a.no_get_load:
             return await _json(send, 200, [{"dp_rank": 0, "num_reqs": self.running,
                                             "num_waiting_reqs": self.waiting, "num_tokens": 0}])
+        if path == "/metrics" and a.enable_metrics:
+            return await _text(send, 200, self.metrics())
         if path == "/tokenize":
             req = json.loads(body)
             tokens = ([BOS] if req.get("add_special_tokens", True) else []) + [ord(c) for c in req["prompt"]]
@@ -196,6 +198,27 @@ class StandIn:
         if path == "/generate":
             return await self.generate(body, receive, send)
         return await _json(send, 404, {"detail": "Not Found"})
+
+    def metrics(self) -> str:
+        """SGLang's Prometheus exposition (--enable-metrics) for the gauges a router reads, labelled as
+        SGLang labels them, with a counter and a histogram line around them as in the real output."""
+        labels = f'{{model_name="{self.args.model}",engine_type="unified",tp_rank="0",pp_rank="0"}}'
+        usage = len(self.cache.pages) / self.args.max_cached_pages
+        return "".join([
+            "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n",
+            "# TYPE sglang:prompt_tokens_total counter\n",
+            f"sglang:prompt_tokens_total{labels} {float(len(self.seen))}\n",
+            "# HELP sglang:num_running_reqs The number of running requests.\n",
+            "# TYPE sglang:num_running_reqs gauge\n",
+            f"sglang:num_running_reqs{labels} {float(self.running)}\n",
+            "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n",
+            "# TYPE sglang:num_queue_reqs gauge\n",
+            f"sglang:num_queue_reqs{labels} {float(self.waiting)}\n",
+            "# HELP sglang:token_usage The token usage.\n",
+            "# TYPE sglang:token_usage gauge\n",
+            f"sglang:token_usage{labels} {usage}\n",
+            f'sglang:time_to_first_token_seconds_bucket{{le="0.1",{labels[1:]} 0.0\n',
+        ])
 
     async def generate(self, raw: bytes, receive: Any, send: Any) -> None:
         try:
@@ -316,6 +339,12 @@ async def _json(send: Any, status: int, payload: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+async def _text(send: Any, status: int, text: str) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
+    await send({"type": "http.response.body", "body": text.encode()})
+
+
 async def _event(send: Any, payload: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": b"data: " + json.dumps(payload).encode() + b"\n\n",
                 "more_body": True})
@@ -340,6 +369,8 @@ def main() -> None:
     p.add_argument("--kv-events", default=None, help="PUB endpoint, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--kv-replay", default=None, help="ROUTER replay endpoint")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--enable-metrics", action="store_true", help="serve /metrics (Prometheus text), as SGLang does")
+    p.add_argument("--no-get-load", action="store_true", help="404 on /get_load, as servers without it do")
     args = p.parse_args()
     uvicorn.run(StandIn(args), host="127.0.0.1", port=args.port, log_level="warning", lifespan="on")
 

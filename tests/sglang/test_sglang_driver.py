@@ -171,6 +171,41 @@ def test_shared_prefix_sticks_to_one_server_and_spills_under_imbalance() -> None
         run(servers, body, balance_abs=2, balance_rel=1.5, min_match_tokens=16)
 
 
+def test_without_get_load_the_load_comes_from_metrics_and_routing_follows_it() -> None:
+    """One server lacks /get_load but serves SGLang's /metrics; the other offers neither. Streams that
+    another client opened on the first (this gateway never saw them) show in its load through /metrics,
+    and a cache miss goes to the other; the server with no load source still serves, counted by what
+    this gateway sent it."""
+    with standins(1, "--no-get-load", "--enable-metrics", "--token-delay-ms", "40") as metered, \
+            standins(1, "--no-get-load", "--token-delay-ms", "40") as blind:
+        busy, other = metered[0], blind[0]
+
+        async def body(driver: SGLangDriver) -> None:
+            def node(server: StandInProcess) -> dict[str, object]:
+                return next(dataclasses.asdict(n) for n in driver.servers if n.id == server.id)
+
+            assert node(busy)["load_source"] == "/metrics" and node(other)["load_source"] == ""
+            async with httpx.AsyncClient(timeout=30) as direct:
+                bodies = [{"input_ids": PROMPT + [ord("a") + i], "sampling_params": {"max_new_tokens": 500},
+                           "stream": True} for i in range(4)]
+                async with contextlib.AsyncExitStack() as open_streams:
+                    for b in bodies:
+                        response = await open_streams.enter_async_context(
+                            direct.stream("POST", busy.url + "/generate", json=b))
+                        assert response.status_code == 200
+
+                    async def seen() -> bool:
+                        return node(busy)["running"] == 4
+                    await await_until(seen, "the other client's 4 streams in the polled /metrics load")
+                    assert 0 < (node(busy)["kv_usage"] or 0) < 1
+                    report = {n.id: n for n in driver.nodes().nodes}
+                    assert report[busy.id].running == 4 and report[busy.id].load_source == "/metrics"
+                    chunks = await collect(driver, request([ord("q")] * 30, 3))
+                    assert chunks[-1].node_id == other.id  # the least loaded, as /metrics told
+            assert node(other)["running"] == 0  # no source: only what this gateway has open counts
+        run([*metered, *blind], body)
+
+
 def test_a_killed_server_fails_over_and_the_text_continues() -> None:
     with standins(2, "--token-delay-ms", "25") as servers:
         async def body(driver: SGLangDriver) -> None:

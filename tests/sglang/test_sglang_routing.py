@@ -1,11 +1,13 @@
 """The routing structures without servers: the approximate tree (match, LRU eviction that never cuts
-a path, its integrity check), the KV event index (stored, removed, cleared, chained pages), and the
-router's three rules on hand-made nodes."""
+a path, its integrity check), the KV event index (stored, removed, cleared, chained pages), the
+router's three rules on hand-made nodes, and the load read from /get_load or /metrics."""
 
 from __future__ import annotations
 
 import msgspec
+import pytest
 
+from drivers.sglang.client import ServerLoad, parse_load, parse_metrics
 from drivers.sglang.config import CacheRoutingConfig
 from drivers.sglang.kv_events import BlockIndex
 from drivers.sglang.prefix_tree import PrefixTree
@@ -67,3 +69,24 @@ def test_router_prefers_cache_spills_on_imbalance_and_spreads_misses() -> None:
     b.running = 0
     misses = {router.pick([a, b], [500 + i] * 16)[0].id for i in range(4)}
     assert misses == {"a", "b"}
+
+
+def test_metrics_text_gives_load_summed_over_ranks_and_the_fullest_kv() -> None:
+    text = "\n".join([
+        "# HELP sglang:num_running_reqs The number of running requests.",
+        "# TYPE sglang:num_running_reqs gauge",
+        'sglang:num_running_reqs{model_name="m",dp_rank="0"} 3.0',
+        'sglang:num_running_reqs{model_name="m",dp_rank="1"} 2.0',
+        'sglang:num_queue_reqs{model_name="m",dp_rank="0"} 7.0',
+        'sglang:num_queue_reqs{model_name="m",dp_rank="1"} NaN',
+        'sglang:token_usage{model_name="m",dp_rank="0"} 0.25',
+        'sglang:token_usage{model_name="m",dp_rank="1"} 0.5',
+        'sglang:num_running_reqs_total{model_name="m"} 99',  # another metric whose name starts alike
+        'sglang:gen_throughput{model_name="m"} 120.5',
+        "sglang:num_running_reqs garbage",
+    ])
+    assert parse_metrics(text) == ServerLoad(5, 7, 0.5)
+    assert parse_metrics("sglang:num_queue_reqs 4\n") == ServerLoad(0, 4, None)
+    with pytest.raises(ValueError):
+        parse_metrics('vllm:num_requests_running{model_name="m"} 3\n')  # not SGLang's: says nothing
+    assert parse_load([{"num_reqs": 2, "num_waiting_reqs": 1}, {"num_reqs": 1}]) == ServerLoad(3, 1)
