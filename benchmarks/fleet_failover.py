@@ -23,6 +23,7 @@ import httpx
 from benchmarks.config_options import add_config_command, print_load_average, verdict
 from benchmarks.pressure import percentile
 from benchmarks.server_process import ServerProcess
+from benchmarks.sse_lines import sse_lines
 from benchmarks.worker_process import WorkerProcess, worker_processes
 
 
@@ -51,7 +52,7 @@ class TimedStream:
                 if response.status_code != 200:
                     self.error = f"HTTP {response.status_code}"
                     return
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response):
                     if line.startswith("data: {") and '"text":""' not in line:
                         self.times.append(time.monotonic())
                     elif line.startswith("data: {") and '"error"' in line:

@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from benchmarks.sse_lines import sse_lines
+
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=2, help="engine torch threads")
@@ -57,7 +59,7 @@ async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[s
                 "retry_after": resp.headers.get("retry-after"),
                 "message": message,
             }
-        async for line in resp.aiter_lines():
+        async for line in sse_lines(resp):
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":

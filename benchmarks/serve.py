@@ -35,6 +35,7 @@ from benchmarks.serve_prompts import (
     ServedModelTokenizer,
     make_prompts,
 )
+from benchmarks.sse_lines import sse_lines
 
 __all__ = ["BenchConfig", "BenchResult", "RequestRecord", "Stats", "run_benchmark"]
 
@@ -146,7 +147,7 @@ async def _one(
                 record.failure = str(response.status_code)
                 record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return record
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
                 event = json.loads(line[5:])

@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from benchmarks.server_process import ServerProcess
+from benchmarks.sse_lines import sse_lines
 from benchmarks.words import WORDS
 
 TARGET_RATIO = 1.5
@@ -87,7 +88,7 @@ async def _stream(client: httpx.AsyncClient, model: str, config: StallConfig, ti
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"stream refused: {response.status_code} {(await response.aread())[:200]!r}")
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             data = line[5:].strip() if line.startswith("data:") else ""
             if data and data != "[DONE]" and json.loads(data).get("choices"):
                 times.append(time.perf_counter())

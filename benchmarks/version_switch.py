@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from benchmarks.server_process import ServerProcess
+from benchmarks.sse_lines import sse_lines
 
 ADMIN_KEY = "version-switch-bench-admin"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}", "x-sluice-actor": "bench"}
@@ -92,7 +93,7 @@ async def _stream(client: httpx.AsyncClient, url: str, replica: int, key: str, b
                                  headers={"authorization": f"Bearer {key}"}) as resp:
             if "x-sluice-model-generation" in resp.headers:
                 generation = int(resp.headers["x-sluice-model-generation"])
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if line == "data: [DONE]":
                     done = resp.status_code == 200
                 elif line.startswith("data: "):

@@ -30,9 +30,19 @@ SSE_DONE = b"data: [DONE]\n\n"
 _encoder = msgspec.json.Encoder()
 
 
+# Characters JSON may carry raw that line readers built on str.splitlines() (httpx's aiter_lines, many
+# hand-written clients) take for line ends, splitting an event in two: U+0085, U+2028, U+2029.
+# Generated text holds them now and then; written as JSON escapes they mean the same to every parser.
+_LINE_BREAKING = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def sse(obj: object) -> bytes:
-    """One server-sent event, framed exactly `data: <json>\\n\\n`."""
-    return b"data: " + _encoder.encode(obj) + b"\n\n"
+    """One server-sent event, framed exactly `data: <json>\\n\\n`, on one line for any line reader."""
+    data = _encoder.encode(obj)
+    for raw, escaped in _LINE_BREAKING:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 def sse_error(detail: ErrorDetail) -> bytes:

@@ -18,6 +18,9 @@ import openai
 import pytest
 from gateway_server import Server
 
+from benchmarks.sse_lines import sse_lines
+from gateway.render import sse
+
 
 def test_sse_framing_is_byte_exact(server: Server) -> None:
     body = {
@@ -124,3 +127,21 @@ def test_fifty_concurrent_streams_finish_with_correct_lengths(server: Server) ->
     results = asyncio.run(main())
     assert all(want == words == usage for want, words, usage in results), results
     assert server.wait_idle()["running"] == 0
+
+
+def test_text_with_unicode_line_separators_stays_one_event_line_for_every_line_reader() -> None:
+    """Generated text may hold U+0085 / U+2028 / U+2029, which JSON allows raw and str.splitlines()
+    (httpx's aiter_lines) takes for line ends. The gateway escapes them; the benchmark clients split
+    lines only where SSE does, so another server's raw ones do not break them either."""
+    text = "one\u2028two\x85three\u2029four\r"
+    event = sse({"choices": [{"text": text}]})
+    lines = event.decode().splitlines()
+    assert lines == [lines[0], ""] and json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"] == text
+
+    raw = b'data: {"text":"a\xe2\x80\xa8b\xc2\x85c"}\r\n\r\ndata: [DONE]\n\n'  # another server's raw separators
+
+    async def read() -> list[str]:
+        return [line async for line in sse_lines(httpx.Response(200, content=raw))]
+    got = asyncio.run(read())
+    assert [json.loads(x[6:])["text"] for x in got if x.startswith("data: {")] == ["a\u2028b\x85c"]
+    assert "data: [DONE]" in got
