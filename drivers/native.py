@@ -100,6 +100,8 @@ class NativeDriverConfig:
             long_prefill_token_threshold=o.long_prefill_token_threshold,
             max_waiting=o.max_waiting,
         ))
+        if o.prefill_tokens_beside_decodes is not None:  # 0: no cap
+            scheduler = replace(scheduler, prefill_tokens_beside_decodes=o.prefill_tokens_beside_decodes or None)
         if o.max_waiting_tokens is not None:  # 0: no token bound
             scheduler = replace(scheduler, max_waiting_tokens=o.max_waiting_tokens or None)
         cache = replace(CacheConfig(), **overrides(

@@ -41,6 +41,8 @@ class EngineOptions:
     """Token budget of one engine step (--max-num-batched-tokens)."""
     long_prefill_token_threshold: int | None = None
     """Largest prefill chunk of one request per step (--long-prefill-token-threshold)."""
+    prefill_tokens_beside_decodes: int | None = None
+    """Prompt tokens a step computes while streams decode; 0: no cap (--prefill-tokens-beside-decodes)."""
     max_waiting: int | None = None
     """Requests an engine queues beyond those running before it refuses with 503
     (SLUICE_MAX_WAITING, --max-waiting)."""

@@ -72,6 +72,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # cap on running sequences per step
     max_num_batched_tokens: int = 512  # token budget of one step (decodes + prefill chunks)
     long_prefill_token_threshold: int = 256  # a single prompt never takes more than this per step
+    # Prompt tokens a step computes beside running decodes (None: the step budget is the only cap).
+    # Every decoding stream waits for the whole step, so the prompt work in a step with decodes is the
+    # stall of each of their inter-token gaps; a step without decodes takes the full budget.
+    prefill_tokens_beside_decodes: int | None = None
     max_waiting: int = 256  # bound of the waiting queue; add_request beyond it is refused
     # Second bound of the waiting queue, in tokens (prompts, plus outputs of preempted requests), so
     # a burst of long prompts cannot grow memory without bound either. A request is refused when the

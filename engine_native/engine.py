@@ -25,6 +25,7 @@ from engine_native.detokenizer import IncrementalDetokenizer
 from engine_native.device import compute_dtype, describe, device_memory_info, resolve_device
 from engine_native.device_runner import DeviceForward
 from engine_native.forward_batch import KVCache
+from engine_native.host_memory import retain_freed_memory
 from engine_native.kv_cache_manager import KVCacheManager
 from engine_native.messages import EngineStats, LogprobEntry, LogprobTop, RequestOutput
 from engine_native.model.attention_backends import SDPA, build_attention_backend, resolve_backend_name
@@ -69,6 +70,7 @@ class _Tracked:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, progress: bool = True) -> None:
         self.config = config
+        retain_freed_memory()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)

@@ -84,6 +84,12 @@ class TokenUpdate:
     finished: bool
 
 
+def _decodes(request: Request) -> bool:
+    """Its next computed token is its last sampled one: a decode, not prompt work (a prompt's last
+    token, or a recomputed request's, is prompt work until the request has sampled)."""
+    return request.num_tokens_to_compute == 1 and request.num_output_tokens > 0
+
+
 def _victim_order(request: Request) -> tuple[int, float]:
     """Larger = preempted first: least important priority, then most recent arrival."""
     return (request.priority, request.arrival_time)
@@ -192,10 +198,17 @@ class Scheduler:
                 if out.scheduled:
                     return out
 
+        prefill_left = self._prefill_allowance(budget)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n_new = min(request.num_tokens_to_compute, self.config.long_prefill_token_threshold, budget)
+            prompt_work = not _decodes(request)
+            if prompt_work:
+                n_new = min(n_new, prefill_left)
+                if n_new == 0:  # the step's prompt allowance is spent: this chunk waits a step
+                    i += 1
+                    continue
             total = request.num_computed_tokens + n_new
             while self.kv_cache.allocate_slots(request.request_id, total) is None:
                 victim = self.running[-1]
@@ -206,6 +219,8 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledRequest.of(request, n_new))
                 budget -= n_new
+                if prompt_work:
+                    prefill_left -= n_new
                 i += 1
                 continue
             break  # the request preempted itself: nothing after it can fit either
@@ -213,8 +228,16 @@ class Scheduler:
         # New work joins only if nothing had to be preempted for room this step (it would take the
         # blocks just freed and thrash); a more important request gets its turn next step.
         if not out.preempted_ids:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, min(budget, prefill_left))
         return out
+
+    def _prefill_allowance(self, budget: int) -> int:
+        """Prompt tokens this step may compute: all of the budget, unless requests are decoding and
+        `prefill_tokens_beside_decodes` caps what they wait for."""
+        cap = self.config.prefill_tokens_beside_decodes
+        if cap is None or not any(_decodes(r) for r in self.running):
+            return budget
+        return min(budget, cap)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, below_priority: int | None = None) -> None:
         """Move waiting requests (only those with priority < `below_priority`, if given) into the

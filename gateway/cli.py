@@ -154,6 +154,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         help="largest prefill chunk of one request per step (lower: steadier decode latency); default: the engine's",
     )
     p.add_argument(
+        "--prefill-tokens-beside-decodes",
+        type=int,
+        default=None,
+        help="prompt tokens a step computes while streams decode, 0: no cap (lower: steadier inter-token "
+             "latency, longer TTFT); default: the engine's",
+    )
+    p.add_argument(
         "--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
         help="do not reuse KV of shared prefixes",
     )
@@ -299,6 +306,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        prefill_tokens_beside_decodes=args.prefill_tokens_beside_decodes,
         max_waiting=args.max_waiting,
         max_waiting_tokens=args.max_waiting_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory,

@@ -12,8 +12,8 @@ with an `ErrorKind` that says whether another server may say yes), the fleet's t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
 import math
+from collections.abc import AsyncGenerator
 from typing import Any, NamedTuple
 
 import httpx

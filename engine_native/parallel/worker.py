@@ -47,6 +47,7 @@ def run(spec: WorkerSpec) -> None:
     import torch
 
     from engine_native.forward_batch import KVCache
+    from engine_native.host_memory import retain_freed_memory
     from engine_native.parallel.comm import (
         KV_DTYPE_NAMES,
         CollectiveClock,
@@ -58,6 +59,7 @@ def run(spec: WorkerSpec) -> None:
     from engine_native.parallel.placement import Placement
 
     par = spec.config.parallel
+    retain_freed_memory()
     torch.set_num_threads(spec.num_threads)
     init_group(par.backend, par.master_addr, spec.master_port, spec.rank, par.world_size, par.timeout_s)
     clock = CollectiveClock()

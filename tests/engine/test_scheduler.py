@@ -144,6 +144,29 @@ def test_long_prompt_is_chunked_and_never_stalls_running_decodes() -> None:
     assert long.num_prefill_chunks == steps_with_prefill - 1  # the last chunk samples
 
 
+def test_prompt_work_beside_decodes_is_capped_and_a_step_without_decodes_takes_the_budget() -> None:
+    s = make_scheduler(num_blocks=2048, max_num_batched_tokens=64, long_prefill_token_threshold=64,
+                       prefill_tokens_beside_decodes=8)
+    first = [make_request(f"a{i}", 20, max_tokens=50) for i in range(3)]
+    for r in first:
+        s.add_request(r)
+    sched = run_step(s)  # nobody decodes yet: the whole budget goes to prompts
+    assert sum(x.num_new_tokens for x in sched.scheduled) == 60
+    late = [make_request(f"b{i}", 20, max_tokens=50, arrival=1.0) for i in range(2)]
+    for r in late:
+        s.add_request(r)
+    while any(r.num_output_tokens == 0 for r in late):
+        sched = run_step(s)
+        new = {x.request.request_id: x.num_new_tokens for x in sched.scheduled}
+        assert all(new[r.request_id] == 1 for r in first)  # every decode in every step
+        prompt_work = [x for x in sched.scheduled if x.num_computed_before < x.request.num_prompt_tokens]
+        assert 0 < sum(x.num_new_tokens for x in prompt_work) <= 8  # a running chunk and a new one share it
+    assert all(r.num_prefill_chunks >= 2 for r in late)
+    drain(s)
+    for r in first + late:
+        assert r.output_token_ids == [token_for(r, k) for k in range(50)]
+
+
 def test_preemption_by_recompute_keeps_outputs_exact() -> None:
     # 10 blocks x 4 tokens: 4 requests of 8 prompt + 12 output tokens (5 blocks each) cannot all fit.
     s = make_scheduler(num_blocks=10, block_size=4)

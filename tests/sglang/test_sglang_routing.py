@@ -72,7 +72,7 @@ def test_router_prefers_cache_spills_on_imbalance_and_spreads_misses() -> None:
 
 
 def test_metrics_text_gives_load_summed_over_ranks_and_the_fullest_kv() -> None:
-    text = "\n".join([
+    lines = [
         "# HELP sglang:num_running_reqs The number of running requests.",
         "# TYPE sglang:num_running_reqs gauge",
         'sglang:num_running_reqs{model_name="m",dp_rank="0"} 3.0',
@@ -84,8 +84,8 @@ def test_metrics_text_gives_load_summed_over_ranks_and_the_fullest_kv() -> None:
         'sglang:num_running_reqs_total{model_name="m"} 99',  # another metric whose name starts alike
         'sglang:gen_throughput{model_name="m"} 120.5',
         "sglang:num_running_reqs garbage",
-    ])
-    assert parse_metrics(text) == ServerLoad(5, 7, 0.5)
+    ]
+    assert parse_metrics("\n".join(lines)) == ServerLoad(5, 7, 0.5)
     assert parse_metrics("sglang:num_queue_reqs 4\n") == ServerLoad(0, 4, None)
     with pytest.raises(ValueError):
         parse_metrics('vllm:num_requests_running{model_name="m"} 3\n')  # not SGLang's: says nothing
