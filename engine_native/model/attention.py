@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from engine_native.forward_batch import ForwardBatch
 from engine_native.kernels import cpu_kernels
-from engine_native.precision import native_bf16
 
 
 @dataclass
@@ -114,20 +113,15 @@ def paged_attention(
     out = torch.empty_like(q)
     if plan.decode_token_index is not None:
         out[plan.decode_token_index] = _decode_attention(q[plan.decode_token_index], k_cache, v_cache, plan)
-    dtype = prefill_compute_dtype(k_cache)
     for chunk in plan.prefills:
-        out[chunk.start : chunk.start + chunk.query_len] = prefill_chunk_attention(q, k_cache, v_cache, chunk, dtype)
+        # fp32 here, as the decode kernel computes: a request recomputed after preemption or failover
+        # then continues with the same greedy tokens. bf16 SDPA is 2.5-3x faster with AMX, but its
+        # rounded q flipped a greedy token after a failover (tests/fleet/test_fleet_bundled.py);
+        # `--attention-backend sdpa` computes in the cache's dtype for those who want that speed.
+        out[chunk.start : chunk.start + chunk.query_len] = prefill_chunk_attention(
+            q, k_cache, v_cache, chunk, torch.float32
+        )
     return out
-
-
-def prefill_compute_dtype(k_cache: torch.Tensor) -> torch.dtype:
-    """What prefill attention computes in: a bf16 cache's own dtype on a CPU with native bf16 (AMX or
-    AVX-512 BF16), where CPU SDPA in bf16 (fp32 softmax and accumulation inside) runs 2.5-3x faster
-    than in fp32 and K/V need no cast; fp32 elsewhere, where bf16 SDPA is emulated and several times
-    slower than the casts cost. Only q is rounded: K and V are bf16 in that cache already."""
-    if k_cache.dtype == torch.bfloat16 and k_cache.device.type == "cpu" and native_bf16():
-        return torch.bfloat16
-    return torch.float32
 
 
 def prefill_chunk_attention(

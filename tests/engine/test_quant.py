@@ -139,7 +139,7 @@ def test_default_greedy_answers_are_the_same_alone_and_in_a_batch_of_8() -> None
     (rows of a 37-row product differ in the last bits from the same rows inside a 301-row one; no
     packing hint changes that), so there the batch may flip a greedy token where the two best are
     within rounding. A request's tokens are the same alone and in the batch of 8, except, at most, from
-    a near tie on: less than 0.02 nats between the two best, the batch taking the other of the two."""
+    a near tie on: less than 0.05 nats between the two best, the batch taking the other of the two."""
     greedy = SamplingParams(max_tokens=16, temperature=0)
     engine = _engine(EngineConfig.__dataclass_fields__["quantized_max_rows"].default)
     prompts = [_chat(engine, q) for q in QUESTIONS]
@@ -155,7 +155,7 @@ def test_default_greedy_answers_are_the_same_alone_and_in_a_batch_of_8() -> None
             continue
         k = next(i for i, (a, b) in enumerate(zip(tokens, got, strict=False)) if a != b)
         best, second = entries[k].top[0], entries[k].top[1]
-        assert best.logprob - second.logprob < 0.02, (k, best, second)  # a near tie, nothing more
+        assert best.logprob - second.logprob < 0.05, (k, best, second)  # a near tie, nothing more
         assert got[k] == second.token_id
     assert same >= 6
     tok = engine.tokenizer
