@@ -15,7 +15,6 @@ have no `mallopt`: nothing changes there.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger("sluice.engine")
@@ -28,11 +27,9 @@ TRIM_THRESHOLD_BYTES = 1 << 30  # free heap top kept before any is given back
 
 def retain_freed_memory() -> bool:
     """Fix glibc's thresholds for this process; False where the C library has no mallopt."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    try:  # the process's own symbols: its C library is loaded already (find_library would run ldconfig)
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))

@@ -41,15 +41,14 @@ class SGLangClient:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    async def get_json(self, address: str, path: str, timeout_s: float) -> Any:
+    async def get(self, address: str, path: str, timeout_s: float) -> httpx.Response:
+        """A GET that raises httpx.HTTPStatusError on an error status; the caller reads .json() or .text."""
         response = await self.http.get(address + path, timeout=timeout_s)
         response.raise_for_status()
-        return response.json()
+        return response
 
-    async def get_text(self, address: str, path: str, timeout_s: float) -> str:
-        response = await self.http.get(address + path, timeout=timeout_s)
-        response.raise_for_status()
-        return response.text
+    async def get_json(self, address: str, path: str, timeout_s: float) -> Any:
+        return (await self.get(address, path, timeout_s)).json()
 
     async def healthy(self, address: str, timeout_s: float) -> bool:
         """/health_generate: 200 once a one-token generation went through (or the server is busy

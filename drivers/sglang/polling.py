@@ -65,7 +65,7 @@ async def read_load(client: SGLangClient, node: ServerNode, timeout_s: float) ->
             if path == protocol.LOAD_PATH:
                 load = parse_load(await client.get_json(node.address, path, timeout_s))
             else:
-                load = parse_metrics(await client.get_text(node.address, path, timeout_s))
+                load = parse_metrics((await client.get(node.address, path, timeout_s)).text)
         except httpx.HTTPStatusError as exc:
             if exc.response.status_code != 404:
                 raise
