@@ -37,6 +37,7 @@ from drivers.base import (
     ShuttingDownError,
 )
 from drivers.fleet import wire
+from drivers.fleet.prefixes import PrefixLedger
 from drivers.fleet.wire import ErrorBody, ErrorKind, WorkerInfo, WorkerLoad, WorkerState
 from drivers.portable_tokenizer import TokenizerSpec, fingerprint
 from observability.tracing import RequestTracer
@@ -110,6 +111,8 @@ class WorkerApp:
         self._on_state: list[Callable[[], None]] = []  # told of every state change (the heartbeat)
         self._start_task: asyncio.Task[None] | None = None
         self._started_at = time.time()
+        # The prefixes the gateways' requests came with, as many as the KV pool can keep (in every heartbeat).
+        self.prefixes = PrefixLedger()
         # Model id -> its tokenizer spec and fingerprint: hashing a large tokenizer's MBs once, not per heartbeat.
         self._fingerprints: dict[str, tuple[TokenizerSpec, str]] = {}
 
@@ -152,11 +155,13 @@ class WorkerApp:
 
     async def info(self) -> WorkerInfo:
         s = self.settings
+        load = await self.load()
         return WorkerInfo(
             id=s.worker_id, address=s.address, state=self.state, incarnation=self.incarnation,
             models=self.driver.models() if self.state is not WorkerState.JOINING else [],
-            load=await self.load(), heartbeat_at=time.time(), host=s.host,
+            load=load, heartbeat_at=time.time(), host=s.host,
             tokenizers=self._tokenizer_fingerprints() if self.state is not WorkerState.JOINING else {},
+            prefixes=self.prefixes.held(load.kv_blocks_total),
         )
 
     def _tokenizer_fingerprints(self) -> dict[str, str]:
@@ -309,6 +314,8 @@ class WorkerApp:
         started = time.time()
         sub = _decode(_SUBMIT, body)
         request = self._generation_request(sub)
+        if sub.prefix_key is not None:
+            self.prefixes.record(sub.prefix_key, len(sub.prompt_token_ids))
         pump: TokenStream | None = None
         self.in_flight += 1
         self.metrics.in_flight.inc()

@@ -32,7 +32,7 @@ from drivers.fleet.client import WorkerClient, WorkerLost
 from drivers.fleet.config import FleetConfig
 from drivers.fleet.membership import Membership, RedisMembership, StaticMembership
 from drivers.fleet.routed import RoutedDriver, WorkerTally
-from drivers.fleet.router import FleetRouter
+from drivers.fleet.router import FleetRouter, prefix_key
 from drivers.fleet.routing import NoWorkerError
 from drivers.fleet.tokenizers import GatewayTokenizers
 from drivers.fleet.wire import WorkerInfo, WorkerState
@@ -207,7 +207,8 @@ class FleetDriver(RoutedDriver["WorkerInfo | ServerNode"]):
                 async for chunk in chunks:
                     yield chunk
             return
-        submit = self._submit(request, rid, prompt, sent, budget, worker)
+        submit = self._submit(request, rid, prompt, sent, budget, worker,
+                              prefix_key(prompt, request.tenant_id, self.router.config))
         trace = {"traceparent": request.trace_parent} if request.trace_parent else None  # worker span's parent
         last_token: float | None = None
         async with contextlib.aclosing(self.client.stream(worker.address, submit, trace)) as events:
@@ -221,6 +222,7 @@ class FleetDriver(RoutedDriver["WorkerInfo | ServerNode"]):
     @staticmethod
     def _submit(
         request: GenerationRequest, rid: str, prompt: list[int], sent: list[int], budget: int, worker: WorkerInfo,
+        key: int | None,
     ) -> wire.SubmitRequest:
         r = request
         return wire.SubmitRequest(
@@ -234,7 +236,7 @@ class FleetDriver(RoutedDriver["WorkerInfo | ServerNode"]):
                 ignore_eos=r.ignore_eos, logprobs=r.logprobs,
             ),
             priority=r.priority, tenant_id=r.tenant_id, tenant_weight=r.tenant_weight,
-            resumed_tokens=len(sent), incarnation=worker.incarnation,
+            resumed_tokens=len(sent), incarnation=worker.incarnation, prefix_key=key,
         )
 
     def _record_itl(self, worker_id: str, event: wire.TokensEvent, last: float | None) -> float | None:

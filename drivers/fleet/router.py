@@ -7,15 +7,20 @@
                     + its KV usage (0..1), so a heartbeat's lag never hides what we just sent
     pick     round-robin     the next candidate in id order
              least-loaded    the lowest load (ties: the lower id)
-             prefix-affinity the first worker clockwise from the prompt's prefix hash on a ring
-                             of virtual nodes, skipping those over a bounded load
-                             ceil(load_factor * (total load + 1) / workers), so a hot prefix
-                             spills to the next worker instead of melting one
+             prefix-affinity among the workers under a bounded load
+                             ceil(load_factor * (total load + 1) / workers) (so a hot prefix
+                             spills to the next worker instead of melting one), in ring order
+                             clockwise from the prompt's prefix hash on a ring of virtual nodes:
+                             the first that holds the prefix (its heartbeats list it, or this
+                             router just sent it there: `prefixes`), else the first whose KV pool
+                             has room for it beside the prefixes it was brought lately, else the
+                             first
 
 The prefix hash covers the prompt's first `affinity_blocks` KV blocks of `block_size` tokens,
 salted with the tenant id like the engine's own prefix cache, so one tenant's system prompt
-always lands where its KV blocks are. The ring is a function of worker ids only: two gateways
-with the same membership place a prefix on the same worker without talking to each other.
+always lands where its KV blocks are. The ring is a function of worker ids only, and what workers
+hold comes from their heartbeats: two gateways with the same membership place a prefix on the same
+worker without talking to each other.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from drivers.fleet.prefixes import PrefixView
 from drivers.fleet.routing import NodeFilter, NoWorkerError
 from drivers.fleet.wire import WorkerInfo, WorkerState
 from observability.node_health import NodeHealthMonitor
@@ -53,11 +59,16 @@ class RouterConfig:
     """Bounded load of prefix affinity: no worker takes more than this times the mean (plus one)."""
     virtual_nodes: int = 100
     """Points per worker on the hash ring (evens out the arcs)."""
+    prefix_hot_s: float = 60.0
+    """A prefix brought to a worker within this long takes room in its KV pool when placing new ones."""
+    prefix_sent_ttl_s: float = 3.0
+    """How long a prefix this router sent counts as held before the worker's heartbeat lists it."""
 
 
 def stable_hash(data: bytes) -> int:
-    """64 bits of BLAKE2b: the same in every process (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+    """63 bits of BLAKE2b (a non-negative int64 on the wire): the same in every process (Python's
+    hash() is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") >> 1
 
 
 def prefix_key(prompt: list[int], tenant_id: str | None, config: RouterConfig) -> int | None:
@@ -107,6 +118,7 @@ class FleetRouter(NodeFilter):
         self.config = config
         self._ring = HashRing([], config.virtual_nodes)
         self._turn = 0
+        self.prefixes = PrefixView(config.prefix_hot_s, config.prefix_sent_ttl_s)
 
     def load(self, info: WorkerInfo) -> float:
         reported = max(info.load.in_flight, info.load.running + info.load.waiting)
@@ -130,20 +142,24 @@ class FleetRouter(NodeFilter):
         if policy is Policy.PREFIX_AFFINITY:
             key = prefix_key(prompt, tenant_id, self.config)
             if key is not None:
-                return self._affine(candidates, key, frozenset(members) | {c.id for c in candidates})
+                blocks = -(-len(prompt) // self.config.block_size)
+                return self._affine(candidates, key, blocks, frozenset(members) | {c.id for c in candidates})
         return min(candidates, key=lambda c: (self.load(c), c.id))
 
-    def _affine(self, candidates: list[WorkerInfo], key: int, members: frozenset[str]) -> WorkerInfo:
+    def _affine(self, candidates: list[WorkerInfo], key: int, blocks: int, members: frozenset[str]) -> WorkerInfo:
         by_id = {c.id: c for c in candidates}
         if self._ring.members != members:
             self._ring = HashRing(members, self.config.virtual_nodes)
+            self.prefixes.forget(set(members))
         loads = {wid: self.load(c) for wid, c in by_id.items()}
         bound = math.ceil(self.config.load_factor * (sum(loads.values()) + 1) / len(by_id))
-        order = [wid for wid in self._ring.walk(key) if wid in by_id]
-        for wid in order:
-            if loads[wid] < bound:
-                return by_id[wid]
-        return by_id[order[0]]
+        order = [by_id[wid] for wid in self._ring.walk(key) if wid in by_id]
+        under = [c for c in order if loads[c.id] < bound] or order
+        chosen = (next((c for c in under if self.prefixes.holds(c, key)), None)
+                  or next((c for c in under if self.prefixes.fits(c, blocks)), None)
+                  or under[0])
+        self.prefixes.placed(chosen, key, blocks)
+        return chosen
 
     def home(self, view: Mapping[str, WorkerInfo], prompt: list[int], tenant_id: str | None) -> str | None:
         """Where prefix affinity puts this prompt when nobody is loaded (for tests and the console)."""

@@ -15,6 +15,7 @@ generate stream aborts the request on the worker. A stream ends with a TokensEve
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
@@ -75,6 +76,8 @@ class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True):
     resumed_tokens: int = 0
     deadline: float | None = None  # time.time() after which the worker gives up on it
     incarnation: int | None = None  # the worker incarnation the router chose; another one refuses (409)
+    # The router's 63-bit hash of the prompt's first KV blocks: the worker lists it as held.
+    prefix_key: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,6 +152,14 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
+class HeldPrefix(msgspec.Struct, frozen=True, array_like=True):
+    """A prompt prefix whose KV blocks the worker's cache probably still holds (drivers/fleet/prefixes.py)."""
+
+    key: int  # the router's prefix key (`router.prefix_key`)
+    blocks: int  # KV blocks of the prompt it last came with
+    idle_s: float  # since a request last brought it
+
+
 class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One worker as the fleet knows it: its Redis record, and its GET /fleet/v1/info."""
 
@@ -163,6 +174,8 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     # Model id -> fingerprint of its prompt tokenizer, for those that travel: a gateway with the same
     # fingerprint tokenizes that model's prompts itself instead of asking (POST /fleet/v1/tokenize).
     tokenizers: dict[str, str] = {}
+    # The prefixes its requests came with, most recent last, as many as its KV pool can keep.
+    prefixes: list[HeldPrefix] = []
 
 
 def encode_line(event: StreamEvent) -> bytes:

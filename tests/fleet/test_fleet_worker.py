@@ -92,6 +92,8 @@ def test_the_tokenizer_travels_named_by_its_fingerprint(worker: WorkerProcess) -
     (json.dumps(submit(sampling={"max_tokens": 1000})).encode(), 400, "context length"),
     (json.dumps(submit(prompt_token_ids=[99999999])).encode(), 400, "out of vocabulary"),
     (json.dumps(submit(resumed_tokens=3)).encode(), 400, "resumed_tokens"),
+    (json.dumps(submit(prefix_key=1 << 63)).encode(), 400, "prefix_key"),
+    (json.dumps(submit(prefix_key=-1)).encode(), 400, "prefix_key"),
     (json.dumps(submit(model="nope")).encode(), 404, "nope"),
     (json.dumps(submit(incarnation=1)).encode(), 409, "incarnation"),
     (json.dumps(submit(deadline=1.0)).encode(), 503, "deadline"),
@@ -121,3 +123,15 @@ def test_closing_the_stream_aborts_the_request(worker: WorkerProcess) -> None:
         assert running() == 2  # the engine runs it, and its stream is open
     # 200 tokens at 20/s would take 10 s; closed after the first, the engine lets go of it.
     wait_for("the request aborted", lambda: running() == 0, 8)
+
+
+def test_info_lists_the_prefixes_requests_came_with_most_recent_last(worker: WorkerProcess) -> None:
+    for i, key in enumerate([11, 22, 11]):  # 11 again: it moves to the end
+        r = httpx.post(worker.url + wire.GENERATE_PATH, headers=AUTH, timeout=30,
+                       json=submit(request_id=f"p{i}", prefix_key=key, prompt_token_ids=list(range(1, 41)),
+                                   sampling={"max_tokens": 1}))
+        assert r.status_code == 200, r.text
+    info = msgspec.json.decode(httpx.get(f"{worker.url}{wire.INFO_PATH}", headers=AUTH).content, type=wire.WorkerInfo)
+    held = [(p.key, p.blocks) for p in info.prefixes]
+    assert held[-2:] == [(22, 3), (11, 3)]  # 40 prompt tokens: 3 blocks of 16
+    assert all(0 <= p.idle_s < 60 for p in info.prefixes)
