@@ -74,8 +74,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 256  # a single prompt never takes more than this per step
     # Prompt tokens a step computes beside running decodes (None: the step budget is the only cap).
     # Every decoding stream waits for the whole step, so the prompt work in a step with decodes is the
-    # stall of each of their inter-token gaps; a step without decodes takes the full budget.
+    # stall of each of their inter-token gaps; a step without decodes takes the full budget. A backlog
+    # of prompt tokens larger than the cap times `prefill_backlog_steps` lifts it to a share of the
+    # backlog (up to the budget), so prompts arriving faster than the cap can serve are not starved.
     prefill_tokens_beside_decodes: int | None = None
+    prefill_backlog_steps: int = 16
     max_waiting: int = 256  # bound of the waiting queue; add_request beyond it is refused
     # Second bound of the waiting queue, in tokens (prompts, plus outputs of preempted requests), so
     # a burst of long prompts cannot grow memory without bound either. A request is refused when the

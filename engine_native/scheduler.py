@@ -233,11 +233,15 @@ class Scheduler:
 
     def _prefill_allowance(self, budget: int) -> int:
         """Prompt tokens this step may compute: all of the budget, unless requests are decoding and
-        `prefill_tokens_beside_decodes` caps what they wait for."""
+        `prefill_tokens_beside_decodes` caps what they wait for. The cap yields to the backlog: a
+        1/`prefill_backlog_steps` share of the prompt tokens still to compute (partly prefilled and
+        waiting requests), so that when prompts arrive faster than the cap computes them, prefill
+        keeps up instead of their time to first token growing without bound."""
         cap = self.config.prefill_tokens_beside_decodes
         if cap is None or not any(_decodes(r) for r in self.running):
             return budget
-        return min(budget, cap)
+        backlog = self.waiting.num_tokens + sum(r.num_tokens_to_compute for r in self.running if not _decodes(r))
+        return min(budget, max(cap, backlog // self.config.prefill_backlog_steps))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, below_priority: int | None = None) -> None:
         """Move waiting requests (only those with priority < `below_priority`, if given) into the

@@ -146,7 +146,7 @@ def test_long_prompt_is_chunked_and_never_stalls_running_decodes() -> None:
 
 def test_prompt_work_beside_decodes_is_capped_and_a_step_without_decodes_takes_the_budget() -> None:
     s = make_scheduler(num_blocks=2048, max_num_batched_tokens=64, long_prefill_token_threshold=64,
-                       prefill_tokens_beside_decodes=8)
+                       prefill_tokens_beside_decodes=8, prefill_backlog_steps=8)  # 40 tokens of backlog: 5 < 8
     first = [make_request(f"a{i}", 20, max_tokens=50) for i in range(3)]
     for r in first:
         s.add_request(r)
@@ -165,6 +165,32 @@ def test_prompt_work_beside_decodes_is_capped_and_a_step_without_decodes_takes_t
     drain(s)
     for r in first + late:
         assert r.output_token_ids == [token_for(r, k) for k in range(50)]
+
+
+def test_a_backlog_of_prompts_lifts_the_cap_to_a_share_of_itself() -> None:
+    # Prompts arriving faster than the cap computes them: the allowance is a quarter of what is still
+    # to compute (never under the cap, never over the budget), so the backlog drains.
+    s = make_scheduler(num_blocks=2048, max_num_batched_tokens=64, long_prefill_token_threshold=64,
+                       prefill_tokens_beside_decodes=8, prefill_backlog_steps=4)
+    first = [make_request(f"a{i}", 20, max_tokens=60) for i in range(2)]
+    for r in first:
+        s.add_request(r)
+    run_step(s)
+    late = [make_request(f"b{i}", 40, max_tokens=60, arrival=1.0) for i in range(5)]
+    for r in late:
+        s.add_request(r)
+    allowances = []
+    while any(r.num_output_tokens == 0 for r in late):
+        sched = run_step(s)
+        assert all(x.num_new_tokens == 1 for x in sched.scheduled if x.request in first)  # decodes every step
+        allowances.append(sum(x.num_new_tokens for x in sched.scheduled
+                              if x.num_computed_before < x.request.num_prompt_tokens))
+    assert allowances[0] == 200 // 4  # 5 prompts of 40 waiting: 50 of the 62 tokens left beside 2 decodes
+    assert allowances == sorted(allowances, reverse=True)  # a share of a shrinking backlog
+    assert allowances[1] < 50 and allowances[-1] <= 8  # down to the cap as the backlog drains
+    drain(s)
+    for r in first + late:
+        assert r.output_token_ids == [token_for(r, k) for k in range(60)]
 
 
 def test_preemption_by_recompute_keeps_outputs_exact() -> None:
