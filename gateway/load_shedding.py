@@ -32,7 +32,11 @@ the queued prompts hit the cache as the recent ones did; calibration corrects th
 
 `calibration` is learned: when an admitted request's first token comes, the TTFT it really had is
 compared with the prediction made when it was admitted, and the factor follows the ratio (a slow
-moving average, bounded to [1/4, 4]). Both the ratio (`sluice_ttft_prediction_ratio`) and every
+moving average, bounded to [1/4, 4]). Until `trust_after` first tokens have been checked so, the
+estimate is unproven and refuses only what even its most optimistic reading (1/4 of it) misses: on a
+fresh server the first rates are measured on a cold prefix cache, and prompts sharing a 1,000-token
+system prompt looked 10x longer than they then were (a load the server served was refused 50 times in
+64 before one admitted request could correct it). Both the ratio (`sluice_ttft_prediction_ratio`) and every
 refusal with its reason (`sluice_shed_requests_total`) are exported, so what the estimate says
 can be checked against what happened.
 
@@ -65,6 +69,9 @@ class SheddingPolicy:
     # Fraction of the waiting queue's bounds (requests and tokens) requests of a tier may fill.
     queue_share: tuple[float, ...] = (1.0, 0.9, 0.75)
     enabled: bool = True
+    # First tokens checked against the TTFT estimate before it refuses at its face value; before that
+    # it refuses only when a quarter of it (the calibration's lower bound) misses the target.
+    trust_after: int = 4
 
     def target(self, priority: int) -> float:
         return _tier(self.ttft_targets_s, priority)
@@ -140,6 +147,7 @@ class LoadShedder:
         self.in_flight = 0  # sent and not finished
         self.shed_total: dict[int, int] = {}  # priority -> requests refused, since start
         self.calibration = 1.0  # actual TTFT / predicted TTFT, learned
+        self.checked = 0  # predictions checked against a real first token
 
     def estimate(self, health: DriverHealth, priority: int, prompt_tokens: int = 0) -> Estimate:
         """The predicted TTFT of a request of `priority` with `prompt_tokens` sent now."""
@@ -218,6 +226,7 @@ class LoadShedder:
             low, high = CALIBRATION_BOUNDS
             learned = (1 - CALIBRATION_WEIGHT) * self.calibration + CALIBRATION_WEIGHT * ratio
             self.calibration = min(high, max(low, learned))
+            self.checked += 1
             if self.metrics is not None:
                 self.metrics.ttft_prediction(actual / (pending.predicted_s * pending.calibration))
 
@@ -232,13 +241,16 @@ class LoadShedder:
 
     def _check(self, health: DriverHealth, est: Estimate, priority: int, prompt_tokens: int) -> None:
         target = self.policy.target(priority)
-        if est.wait_s is not None and est.wait_s > target:
+        wait = est.wait_s
+        if wait is not None and est.predicted_s is not None and self.checked < self.policy.trust_after:
+            wait = est.predicted_s * CALIBRATION_BOUNDS[0]  # unproven: its most optimistic reading
+        if wait is not None and wait > target:
             self._refuse(
                 priority,
                 ShedReason.TTFT_TARGET,
-                f"Predicted time to first token {est.wait_s:.1f} s exceeds the {target:g} s target of "
+                f"Predicted time to first token {wait:.1f} s exceeds the {target:g} s target of "
                 f"priority {priority}",
-                est.wait_s - target,
+                wait - target,
             )
         share = self.policy.share(priority)
         retry = est.wait_s if est.wait_s else 1.0

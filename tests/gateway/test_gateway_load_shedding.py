@@ -40,7 +40,7 @@ def outcome(
 
 
 def test_wait_counts_only_work_of_equal_or_higher_priority() -> None:
-    shedder = LoadShedder(SheddingPolicy())
+    shedder = LoadShedder(SheddingPolicy(trust_after=0))
     h = health(waiting=30, waiting_work_by_priority={0: 1_000, 1: 4_000, 2: 20_000})
     assert shedder.estimate(h, 0).wait_s == pytest.approx(1.0)
     assert shedder.estimate(h, 1).wait_s == pytest.approx(5.0)
@@ -48,7 +48,7 @@ def test_wait_counts_only_work_of_equal_or_higher_priority() -> None:
 
 
 def test_under_overload_tier_2_is_shed_while_tier_0_is_admitted() -> None:
-    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(2.0, 10.0, 30.0)))
+    shedder = LoadShedder(SheddingPolicy(trust_after=0, ttft_targets_s=(2.0, 10.0, 30.0)))
     # 40 s of tier-2 work queued at 1,000 tokens/s: tier 2 would wait 40 s > 30 s; tier 0 waits ~0.
     h = health(waiting=40, waiting_work_by_priority={2: 40_000})
     assert outcome(shedder, h, 2) == "shed"
@@ -65,13 +65,13 @@ def test_a_growing_backlog_sheds_tiers_from_the_lowest_up() -> None:
         work = {0: backlog_s * 1000 // 100, 1: backlog_s * 1000 * 9 // 100, 2: backlog_s * 1000 * 90 // 100}
         h = health(waiting=min(backlog_s, 60), waiting_work_by_priority=work)
         for tier in (0, 1, 2):
-            if tier not in first_shed and outcome(LoadShedder(SheddingPolicy()), h, tier) == "shed":
+            if tier not in first_shed and outcome(LoadShedder(SheddingPolicy(trust_after=0)), h, tier) == "shed":
                 first_shed[tier] = backlog_s
     assert first_shed[2] < first_shed[1] < first_shed[0]
 
 
 def test_retry_after_is_the_time_until_the_wait_meets_the_target() -> None:
-    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(2.0, 10.0, 30.0)))
+    shedder = LoadShedder(SheddingPolicy(trust_after=0, ttft_targets_s=(2.0, 10.0, 30.0)))
     h = health(waiting=50, waiting_work_by_priority={2: 45_000})  # 45 s vs 30 s
     with pytest.raises(OverloadedError) as info:
         shedder.admit(h, 2, 10, 10)
@@ -79,7 +79,7 @@ def test_retry_after_is_the_time_until_the_wait_meets_the_target() -> None:
 
 
 def test_queue_share_keeps_headroom_for_higher_tiers_before_any_throughput_is_measured() -> None:
-    shedder = LoadShedder(SheddingPolicy(queue_share=(1.0, 0.9, 0.75)))
+    shedder = LoadShedder(SheddingPolicy(trust_after=0, queue_share=(1.0, 0.9, 0.75)))
     # A burst at an idle engine whose figures have not caught up yet: 8 run, then the queue fills.
     h = health(running=0, waiting=0, prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0)
     for _ in range(8 + 75):
@@ -95,7 +95,7 @@ def test_queue_share_keeps_headroom_for_higher_tiers_before_any_throughput_is_me
 
 
 def test_token_bound_share() -> None:
-    shedder = LoadShedder(SheddingPolicy(queue_share=(1.0, 0.9, 0.5)))
+    shedder = LoadShedder(SheddingPolicy(trust_after=0, queue_share=(1.0, 0.9, 0.5)))
     h = health(waiting=2, waiting_tokens=4_900, waiting_work_by_priority={0: 10})
     assert outcome(shedder, h, 2, prompt=200) == "shed"  # 5,100 > 5,000
     assert outcome(shedder, h, 0, prompt=200) == "admitted"
@@ -103,7 +103,7 @@ def test_token_bound_share() -> None:
 
 def test_requests_sent_count_until_the_engine_reports_them() -> None:
     """The engine's figures lag a burst; the gateway's own count of what it sent does not."""
-    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(2.0, 10.0, 30.0)))
+    shedder = LoadShedder(SheddingPolicy(trust_after=0, ttft_targets_s=(2.0, 10.0, 30.0)))
     # Saturated (4 running of 4, by figures a moment old), nothing queued in them yet.
     h = health(running=4, max_num_seqs=4, waiting=0, waiting_work_by_priority={})
     sent = [shedder.admit(h, 0, 100, 100) for _ in range(4)]  # they take the free running slots
@@ -130,7 +130,7 @@ def test_requests_sent_count_until_the_engine_reports_them() -> None:
 
 
 def test_throughput_of_an_unsaturated_engine_is_not_used() -> None:
-    shedder = LoadShedder(SheddingPolicy())
+    shedder = LoadShedder(SheddingPolicy(trust_after=0))
     h = health(running=2, waiting=0, waiting_work_by_priority={2: 50_000})
     assert not shedder.estimate(h, 2).wait_s  # no positive wait from the throughput of an idle engine
 
@@ -138,7 +138,7 @@ def test_throughput_of_an_unsaturated_engine_is_not_used() -> None:
 def test_below_the_running_cap_a_first_token_waits_only_on_prompts_ahead() -> None:
     """Queued requests' decodes run batched beside a newcomer's prefill: only prompt tokens are ahead
     of it (the work of max_tokens is not), at the rate prompts were computed while queued."""
-    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(2.0, 10.0, 30.0)))
+    shedder = LoadShedder(SheddingPolicy(trust_after=0, ttft_targets_s=(2.0, 10.0, 30.0)))
     h = health(
         running=32, max_num_seqs=64, waiting=6,
         prefill_waiting_by_priority={0: 100, 1: 3_000}, prefill_running=200, prefill_tokens_per_s=1_000.0,
@@ -155,7 +155,7 @@ def test_calibration_follows_the_real_time_to_first_token_and_is_exported() -> N
 
     now = [0.0]
     metrics = GatewayMetrics()
-    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(100.0,)), metrics, clock=lambda: now[0])
+    shedder = LoadShedder(SheddingPolicy(trust_after=0, ttft_targets_s=(100.0,)), metrics, clock=lambda: now[0])
     h = health(running=1, max_num_seqs=64, prefill_tokens_per_s=100.0)
     for _ in range(60):  # every request really waits twice what was predicted
         pending = shedder.admit(h, 0, prompt_tokens=100, max_tokens=1)  # predicted 1 s
@@ -170,11 +170,30 @@ def test_calibration_follows_the_real_time_to_first_token_and_is_exported() -> N
     assert metrics.registry.get_sample_value("sluice_ttft_prediction_ratio_bucket", {"le": "1.1"}) >= 30
 
 
+def test_an_unproven_estimate_refuses_only_what_a_quarter_of_it_misses() -> None:
+    # A fresh server's first rates come from a cold prefix cache (prompts sharing a system prompt then
+    # looked 10x longer than they were): until `trust_after` first tokens have checked the estimate,
+    # it is read at its most optimistic, the calibration's lower bound.
+    now = [0.0]
+    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(10.0,), trust_after=4), clock=lambda: now[0])
+    h = health(running=1, max_num_seqs=64, prefill_tokens_per_s=100.0)
+    first = shedder.admit(h, 0, prompt_tokens=2_000, max_tokens=1)  # 20 s predicted, 5 s at a quarter
+    shedder.finished(first)  # ended without a first token: checks nothing
+    assert outcome(shedder, h, 0, prompt=5_000) == "shed"  # 50 s: even a quarter misses 10 s
+    for _ in range(4):  # four first tokens come when predicted
+        pending = shedder.admit(h, 0, prompt_tokens=100, max_tokens=1)
+        now[0] += 1.0
+        shedder.started(pending)
+        shedder.finished(pending)
+    assert shedder.checked == 4 and shedder.calibration == pytest.approx(1.0)
+    assert outcome(shedder, h, 0, prompt=2_000) == "shed"  # proven: 20 s at face value
+
+
 def test_refusals_are_counted_by_priority_and_reason() -> None:
     from gateway.metrics import GatewayMetrics
 
     metrics = GatewayMetrics()
-    shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(2.0, 10.0, 30.0)), metrics)
+    shedder = LoadShedder(SheddingPolicy(trust_after=0, ttft_targets_s=(2.0, 10.0, 30.0)), metrics)
     h = health(waiting=50, waiting_work_by_priority={2: 45_000})
     assert outcome(shedder, h, 2) == "shed"
     full = health(waiting=100)
@@ -185,7 +204,7 @@ def test_refusals_are_counted_by_priority_and_reason() -> None:
 
 
 def test_disabled_policy_admits_everything() -> None:
-    shedder = LoadShedder(SheddingPolicy(enabled=False))
+    shedder = LoadShedder(SheddingPolicy(trust_after=0, enabled=False))
     h = health(waiting=100, waiting_work_by_priority={2: 10**9})
     assert outcome(shedder, h, 2) == "admitted"
 
