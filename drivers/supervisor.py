@@ -167,6 +167,13 @@ class EngineSupervisor:
     def describe(self, node: str) -> str:
         return self.records[node].describe(self.clock())
 
+    def describe_down(self, node: str) -> str:
+        """A dead engine's state. Its watcher takes a moment to see the death; until then the record
+        still says running, and the truth is that a restart is coming."""
+        if self.records[node].state is EngineState.RUNNING:
+            return "died; restarting"
+        return self.describe(node)
+
     async def _watch(self, engine: SupervisedEngine) -> None:
         node = engine.node_id
         record = self.records[node]

@@ -8,8 +8,8 @@ import pytest
 
 from drivers.base import ModelCard
 from drivers.fleet.breaker import BreakerConfig, BreakerState, CircuitBreaker
-from drivers.fleet.router import FleetRouter, HashRing, NoWorkerError, Policy, RouterConfig, prefix_key
 from drivers.fleet.prefixes import PrefixLedger
+from drivers.fleet.router import FleetRouter, HashRing, NoWorkerError, Policy, RouterConfig, prefix_key
 from drivers.fleet.wire import HeldPrefix, WorkerInfo, WorkerLoad, WorkerState
 from observability.node_health import NodeHealthMonitor
 
