@@ -29,6 +29,11 @@ KEEP = 256  # prefixes a worker reports at most (the most recent): a heartbeat s
 BLOCK_TOKENS = 16  # tokens per KV block of the native engine (engine_native/config.py CacheConfig)
 
 
+def blocks_of(tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    """KV blocks a prompt of `tokens` takes (the last one partly filled)."""
+    return -(-tokens // block_tokens)
+
+
 class PrefixLedger:
     """The worker's side: prefix keys by recency, each with the blocks of its latest prompt."""
 
@@ -38,7 +43,7 @@ class PrefixLedger:
         self._entries: OrderedDict[int, tuple[int, float]] = OrderedDict()  # key -> (blocks, last brought)
 
     def record(self, key: int, prompt_tokens: int) -> None:
-        self._entries[key] = (-(-prompt_tokens // self._block_tokens), self._clock())
+        self._entries[key] = (blocks_of(prompt_tokens, self._block_tokens), self._clock())
         self._entries.move_to_end(key)
 
     def held(self, capacity_blocks: int) -> list[HeldPrefix]:

@@ -33,7 +33,7 @@ from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from drivers.fleet.prefixes import PrefixView
+from drivers.fleet.prefixes import BLOCK_TOKENS, PrefixView, blocks_of
 from drivers.fleet.routing import NodeFilter, NoWorkerError
 from drivers.fleet.wire import WorkerInfo, WorkerState
 from observability.node_health import NodeHealthMonitor
@@ -51,7 +51,7 @@ class Policy(enum.StrEnum):
 class RouterConfig:
     policy: Policy = Policy.PREFIX_AFFINITY
     """How a worker is picked among the candidates (--fleet-policy)."""
-    block_size: int = 16
+    block_size: int = BLOCK_TOKENS
     """Tokens per KV block of the workers' engines (the native engine's)."""
     affinity_blocks: int = 4
     """Leading full blocks of the prompt that make its prefix key."""
@@ -142,7 +142,7 @@ class FleetRouter(NodeFilter):
         if policy is Policy.PREFIX_AFFINITY:
             key = prefix_key(prompt, tenant_id, self.config)
             if key is not None:
-                blocks = -(-len(prompt) // self.config.block_size)
+                blocks = blocks_of(len(prompt), self.config.block_size)
                 return self._affine(candidates, key, blocks, frozenset(members) | {c.id for c in candidates})
         return min(candidates, key=lambda c: (self.load(c), c.id))
 
