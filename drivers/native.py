@@ -346,7 +346,7 @@ class NativeDriver(Driver):
         if not self.ready:
             return DriverHealth(ready=False, detail="the driver is stopped")
         down = [e for e in self.engines if not e.alive]
-        detail = "; ".join(f"{e.config.node_id}: {self.supervisor.describe_down(e.config.node_id)}" for e in down)
+        detail = "; ".join(f"{e.config.node_id}: {self.supervisor.describe(e.config.node_id)}" for e in down)
         return DriverHealth(
             ready=bool(alive),
             detail=f"degraded: {len(alive)} of {len(self.engines)} engines up; {detail}" if down else "",

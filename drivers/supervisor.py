@@ -89,6 +89,9 @@ class SupervisedEngine(Protocol):
     @property
     def node_id(self) -> str: ...
 
+    @property
+    def alive(self) -> bool: ...
+
     async def wait_dead(self) -> str:
         """Return once the engine is dead (at once if it is), with why."""
         ...
@@ -137,6 +140,7 @@ class EngineSupervisor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engines = list(engines)
+        self._by_node = {e.node_id: e for e in self.engines}
         self.policy = policy or RestartPolicy()
         self.listener = listener
         self.clock = clock
@@ -165,14 +169,12 @@ class EngineSupervisor:
         return [node for node, r in self.records.items() if r.state is EngineState.FAILED]
 
     def describe(self, node: str) -> str:
-        return self.records[node].describe(self.clock())
-
-    def describe_down(self, node: str) -> str:
-        """A dead engine's state. Its watcher takes a moment to see the death; until then the record
-        still says running, and the truth is that a restart is coming."""
-        if self.records[node].state is EngineState.RUNNING:
+        record = self.records[node]
+        # A watcher takes a moment to see its engine die; until then the record still says running,
+        # and the truth is that a restart is coming.
+        if record.state is EngineState.RUNNING and not self._by_node[node].alive:
             return "died; restarting"
-        return self.describe(node)
+        return record.describe(self.clock())
 
     async def _watch(self, engine: SupervisedEngine) -> None:
         node = engine.node_id

@@ -29,7 +29,7 @@ KEEP = 256  # prefixes a worker reports at most (the most recent): a heartbeat s
 BLOCK_TOKENS = 16  # tokens per KV block of the native engine (engine_native/config.py CacheConfig)
 
 
-def blocks_of(tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
+def blocks_of(tokens: int, block_tokens: int) -> int:
     """KV blocks a prompt of `tokens` takes (the last one partly filled)."""
     return -(-tokens // block_tokens)
 
