@@ -93,9 +93,35 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// 8 floats -> 8 bf16 bits, rounded exactly as to_bf16 rounds (nearest even, NaN -> 0x7FC0).
+inline __m128i to_bf16x8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // Each 32-bit lane holds its result in the low 16 bits: pack the two 128-bit halves (no saturation
+  // happens, every value is < 0x10000).
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// 8 bf16 bits -> 8 floats (exact).
+inline __m256 from_bf16x8(const uint16_t* src) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 inline void store_row(float* dst, const float* src, int64_t n) { std::copy(src, src + n, dst); }
 inline void store_row(uint16_t* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), to_bf16x8(_mm256_loadu_ps(src + i)));
+  for (; i < n; ++i) dst[i] = to_bf16(src[i]);
 }
+
+// A row of bf16 (its bits) or fp32 as fp32, into dst; n a multiple of 8.
+inline void load_row(float* dst, const uint16_t* src, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, from_bf16x8(src + i));
+}
+inline void load_row(float* dst, const float* src, int64_t n) { std::copy(src, src + n, dst); }
 
 }  // namespace sluice

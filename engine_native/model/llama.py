@@ -152,14 +152,25 @@ class DecoderLayer(nn.Module):
         self.quantized_max_rows = max_rows
         return len(self.quantized)
 
-    def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(
+        self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, keep_dtype: bool = False
+    ) -> torch.Tensor:
+        """x @ W^T in float32, or with `keep_dtype` (only where `_bf16_io`) as the dense GEMM returns it."""
         blocks = self.quantized.get(name)
         if blocks is not None and x.shape[0] <= self.quantized_max_rows:
             return quant_linear(x, blocks, bias)
         packed = self.packed.get(name)
-        if packed is not None:
-            return _packed_linear(x.to(self.dtype), packed, bias).float()
-        return F.linear(x.to(self.dtype), getattr(self, name), bias).float()
+        out = (
+            _packed_linear(x.to(self.dtype), packed, bias)
+            if packed is not None
+            else F.linear(x.to(self.dtype), getattr(self, name), bias)
+        )
+        return out if keep_dtype else out.float()
+
+    def _bf16_io(self, rows: int) -> bool:
+        """A step of `rows` tokens multiplies by all four dense matrices in bf16: the row-wise kernels
+        then read the GEMMs' bf16 outputs and write bf16 inputs for them, the values the casts would give."""
+        return self.dtype == torch.bfloat16 and (rows > self.quantized_max_rows or not self.quantized)
 
     def forward(
         self,
@@ -176,18 +187,19 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         kernels = cpu_kernels() if self.rowwise_kernels and cache_in_kernels(k_cache) else None
         if kernels is not None:  # the row-wise steps as one C++ pass each (kernels/elementwise.cpp)
-            h = kernels.rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-            qkv = self._linear(h, "qkv_weight", self.qkv_bias)
+            bf16 = self._bf16_io(t)
+            h = kernels.rms_norm(x, self.input_norm, cfg.rms_norm_eps, out_bf16=bf16)
+            qkv = self._linear(h, "qkv_weight", self.qkv_bias, keep_dtype=bf16)
             q = kernels.rope_write_kv(qkv, cos.view(t, -1), sin.view(t, -1), k_cache, v_cache, slots,
                                       cfg.num_heads, cfg.num_kv_heads)
             if isinstance(plan, AttentionPlan):
                 attn = paged_attention(q, k_cache, v_cache, plan)
             else:  # another backend (model/attention_backends.py)
                 attn = plan.attend(q, k_cache, v_cache)
-            h = kernels.add_rms_norm(x, self._linear(attn.reshape(t, self.q_size), "o_weight"), self.post_norm,
-                                     cfg.rms_norm_eps)
-            act = kernels.silu_mul(self._linear(h, "gate_up_weight"))
-            return x.add_(self._linear(act, "down_weight"))
+            o = self._linear(attn.reshape(t, self.q_size), "o_weight", keep_dtype=bf16)
+            h = kernels.add_rms_norm(x, o, self.post_norm, cfg.rms_norm_eps, out_bf16=bf16)
+            act = kernels.silu_mul(self._linear(h, "gate_up_weight", keep_dtype=bf16), out_bf16=bf16)
+            return x.add_(self._linear(act, "down_weight", keep_dtype=bf16))  # fp32 += bf16 widens exactly
         h = F.rms_norm(x, (x.shape[-1],), self.input_norm, cfg.rms_norm_eps)
         qkv = self._linear(h, "qkv_weight", self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

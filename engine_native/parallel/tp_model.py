@@ -50,11 +50,14 @@ class ParallelDecoderLayer(DecoderLayer):
     clock: CollectiveClock
     tp_group: dist.ProcessGroup | None
 
-    def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = super()._linear(x, name, bias)
+    def _linear(
+        self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, keep_dtype: bool = False
+    ) -> torch.Tensor:
         if name in _ROW_PARALLEL and self.tp_group is not None:
+            out = super()._linear(x, name, bias)  # the partial sums are added in fp32, never in bf16
             self.clock.all_reduce(out, self.tp_group)
-        return out
+            return out
+        return super()._linear(x, name, bias, keep_dtype)
 
 
 class TensorParallelLlama(nn.Module):
