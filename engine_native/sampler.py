@@ -93,7 +93,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(_select(logits, logprob_rows)[0], dim=-1) if logprob_rows else None
 
         if all(p.greedy and not _has_penalties(p) for p in all_params):
-            tokens = logits.argmax(dim=-1)  # the common fast path: one kernel for the whole batch
+            tokens = _argmax(logits)  # the common fast path: one kernel for the whole batch
         else:
             tokens = self._sample(logits, rows)
 
@@ -114,7 +114,7 @@ class Sampler:
         tokens = torch.empty(len(rows), dtype=torch.long, device=device)
         if greedy:
             greedy_index = _index(greedy, device)
-            tokens[greedy_index] = logits[greedy_index].argmax(dim=-1)
+            tokens[greedy_index] = _argmax(logits[greedy_index])
         if random:
             random_rows = [rows[i] for i in random]
             kernels = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
@@ -138,6 +138,14 @@ class Sampler:
 
 
 TOP_P_CANDIDATES = 1024  # top-p looks for its cut among this many most likely tokens before sorting all V
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1); on CPU through Sluice's kernel (kernels/sample.cpp), the same indices."""
+    kernels = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if kernels is not None and logits.dim() == 2 and logits.shape[1] > 0:
+        return kernels.argmax_rows(logits.contiguous())  # type: ignore[no-any-return]
+    return logits.argmax(dim=-1)
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:

@@ -350,3 +350,25 @@ def test_the_fused_draw_picks_what_the_inverse_cdf_picks() -> None:
     assert (ours == theirs).float().mean() >= 0.99
     assert not (ours == 7).any()
     assert torch.equal(kernels.sample_rows(logits, inverse, torch.zeros(400)), (probs > 0).float().argmax(-1))
+
+
+def test_the_argmax_kernel_picks_what_torch_argmax_picks() -> None:
+    from engine_native.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    assert kernels is not None
+    g = torch.Generator().manual_seed(4)
+    for vocab in (1, 7, 8, 49152, 49157):  # whole vectors and a scalar tail
+        logits = torch.randn(40, vocab, generator=g) * 8
+        logits[1] = 3.0  # all tied: the first
+        logits[2] = float("-inf")
+        if vocab > 5:
+            logits[3, [2, vocab - 1]] = 100.0  # a tie at the top, one in the tail
+            logits[4, 5] = float("nan")  # a NaN is the maximum
+            logits[4, vocab - 1] = float("nan")
+            logits[5, :] = -0.0
+            logits[5, vocab - 1] = 0.0  # -0.0 == 0.0: the first
+            logits[6, vocab - 1] = float("inf")
+        assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=-1)), vocab
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        kernels.argmax_rows(torch.zeros(2, 8).t())
