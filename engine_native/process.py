@@ -9,6 +9,7 @@ stats still sent) for chaos testing.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -73,6 +74,10 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
         )
     )
     send(engine.stats())  # so that clients see the pool before the first request
+    # What start-up made (the tokenizer's vocabulary, the model's modules: ~185k objects) lives as long
+    # as the process; out of the collector's sight, a full collection no longer walks it between two
+    # steps (~30-50 ms, every decoding stream's inter-token gap, measured on the bundled model).
+    gc.freeze()
     log = logging.getLogger("engine_native.process")
     last_stats = 0.0
     fault = SetFault()
