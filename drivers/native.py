@@ -114,7 +114,7 @@ class NativeDriverConfig:
             scheduler=scheduler,
             parallel=replace(ParallelConfig(), **overrides(tensor_parallel_size=o.tensor_parallel_size)),
             **overrides(dtype=o.dtype, num_threads=o.num_threads, max_model_len=o.max_model_len, device=o.device,
-                        attention_backend=o.attention_backend),
+                        attention_backend=o.attention_backend, prefill_attention_dtype=o.prefill_attention_dtype),
         )
         return cls(
             engine=engine,

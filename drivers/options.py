@@ -31,6 +31,9 @@ class EngineOptions:
     """Where the native engine computes: "cpu", "cuda" or "auto" (--device)."""
     attention_backend: str | None = None
     """Paged attention of the native engine: "auto", "native", "sdpa", "flashinfer" (--attention-backend)."""
+    prefill_attention_dtype: str | None = None
+    """What the native CPU path's prefill attention computes in: "float32" or "kv", the KV cache's
+    dtype (--prefill-attention-dtype)."""
     num_threads: int | None = None
     """Torch CPU threads per engine; None: torch's choice (--num-threads)."""
     max_model_len: int | None = None

@@ -35,6 +35,14 @@ class DeviceForward:
     def attention_backend(self, backend: AttentionBackend | None) -> None:
         self.model.attention_backend = backend
 
+    @property
+    def prefill_attention_dtype(self) -> torch.dtype:
+        return self.model.prefill_attention_dtype
+
+    @prefill_attention_dtype.setter
+    def prefill_attention_dtype(self, dtype: torch.dtype) -> None:
+        self.model.prefill_attention_dtype = dtype
+
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)

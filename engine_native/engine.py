@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_native.config import EngineConfig
+from engine_native.config import PREFILL_ATTENTION_DTYPES, EngineConfig
 from engine_native.cuda_graphs import DecodeGraphs
 from engine_native.detokenizer import IncrementalDetokenizer
 from engine_native.device import compute_dtype, describe, device_memory_info, resolve_device
@@ -110,6 +110,7 @@ class LLMEngine:
         self.loaded.model.attention_backend = build_attention_backend(
             self.attention_backend_name, model_cfg, self.device, kv_dtype
         )
+        self.loaded.model.prefill_attention_dtype = _prefill_attention_dtype(config.prefill_attention_dtype, kv_dtype)
         # A tensor-parallel rank's pool holds only its own KV heads (model.config is the rank's slice).
         num_blocks = num_kv_blocks(config, self.loaded.model.config, kv_dtype, self.max_model_len,
                                    device_memory_info(self.device))
@@ -390,6 +391,14 @@ class LLMEngine:
             for out in self.step():
                 results[out.request_id].extend(out.new_token_ids)
         return [results[rid] for rid in ids]
+
+
+def _prefill_attention_dtype(setting: str, kv_dtype: torch.dtype) -> torch.dtype:
+    if setting == "float32":
+        return torch.float32
+    if setting == "kv":
+        return kv_dtype
+    raise ValueError(f"prefill_attention_dtype must be one of {PREFILL_ATTENTION_DTYPES}, not {setting!r}")
 
 
 __all__ = ["LLMEngine", "QueueFullError", "parse_dtype"]

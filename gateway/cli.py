@@ -114,6 +114,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         help="paged attention of the native engine; default auto: native on CPU, flashinfer on CUDA when "
         "installed, else sdpa"
     )
+    p.add_argument(
+        "--prefill-attention-dtype", default=None, choices=["float32", "kv"],
+        help="what the native CPU path's prefill attention computes in; default float32 (as decodes compute: "
+        "a recomputed request keeps its greedy tokens); kv: the KV cache's dtype, with a bf16 cache ~2x "
+        "faster on AMX CPUs, q and the softmax probabilities rounded to bf16 (docs/engine.md, Numerics)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="cap on sequences running in one engine step; default: the engine's")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -301,6 +307,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         dtype=args.dtype,
         device=args.device,
         attention_backend=args.attention_backend,
+        prefill_attention_dtype=args.prefill_attention_dtype,
         num_threads=args.num_threads,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -68,15 +68,19 @@ class AttentionPlan:
     decode_bias: torch.Tensor | None  # [B, 1, L]: the same mask as an additive fp32 bias (0 / -inf)
     decodes_are_whole_batch: bool  # the step is pure decode in order: no scatter needed
     prefills: list[PrefillChunk]
+    prefill_dtype: torch.dtype  # what the prefill chunks' attention computes in
 
     @classmethod
-    def from_batch(cls, batch: ForwardBatch, decode_kernel: bool = False) -> AttentionPlan:
-        """`decode_kernel`: the decodes will run in the C++ kernel, which needs no mask."""
+    def from_batch(
+        cls, batch: ForwardBatch, decode_kernel: bool = False, prefill_dtype: torch.dtype = torch.float32
+    ) -> AttentionPlan:
+        """`decode_kernel`: the decodes will run in the C++ kernel, which needs no mask.
+        `prefill_dtype`: see `EngineConfig.prefill_attention_dtype`."""
         bs = batch.block_size
         decode_seqs = [i for i, q in enumerate(batch.query_lens) if q == 1]
         prefills = prefill_chunks(batch)
         if not decode_seqs:
-            return cls(batch.num_tokens, bs, None, None, None, None, None, False, prefills)
+            return cls(batch.num_tokens, bs, None, None, None, None, None, False, prefills, prefill_dtype)
         ctx_lens = torch.tensor([batch.context_lens[i] for i in decode_seqs], dtype=torch.long)
         nb_max = -(-int(ctx_lens.max()) // bs)
         seq_index = torch.tensor(decode_seqs, dtype=torch.long)
@@ -84,7 +88,7 @@ class AttentionPlan:
         token_index = torch.tensor([batch.query_starts[i] for i in decode_seqs], dtype=torch.long)
         whole = not prefills and len(decode_seqs) == batch.num_tokens  # decodes only: T == B, in order
         if decode_kernel:
-            return cls(batch.num_tokens, bs, token_index, tables, ctx_lens, None, None, whole, prefills)
+            return cls(batch.num_tokens, bs, token_index, tables, ctx_lens, None, None, whole, prefills, prefill_dtype)
         key_pos = torch.arange(nb_max * bs)
         mask = (key_pos.unsqueeze(0) < ctx_lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, -1)
         bias = (
@@ -92,7 +96,7 @@ class AttentionPlan:
             .masked_fill_(~mask, float("-inf"))
             .view(len(decode_seqs), 1, -1)
         )
-        return cls(batch.num_tokens, bs, token_index, tables, ctx_lens, mask, bias, whole, prefills)
+        return cls(batch.num_tokens, bs, token_index, tables, ctx_lens, mask, bias, whole, prefills, prefill_dtype)
 
 
 def write_kv(
@@ -114,12 +118,12 @@ def paged_attention(
     if plan.decode_token_index is not None:
         out[plan.decode_token_index] = _decode_attention(q[plan.decode_token_index], k_cache, v_cache, plan)
     for chunk in plan.prefills:
-        # fp32 here, as the decode kernel computes: a request recomputed after preemption or failover
-        # then continues with the same greedy tokens. bf16 SDPA is 2.5-3x faster with AMX, but its
-        # rounded q flipped a greedy token after a failover (tests/fleet/test_fleet_bundled.py);
-        # `--attention-backend sdpa` computes in the cache's dtype for those who want that speed.
+        # fp32 by default, as the decode kernel computes: a request recomputed after preemption or
+        # failover then continues with the same greedy tokens. In a bf16 cache's dtype it is ~2x faster
+        # with AMX, but its rounded q and probabilities flipped a greedy token after a failover
+        # (tests/fleet/test_fleet_bundled.py): an opt-in (EngineConfig.prefill_attention_dtype).
         out[chunk.start : chunk.start + chunk.query_len] = prefill_chunk_attention(
-            q, k_cache, v_cache, chunk, torch.float32
+            q, k_cache, v_cache, chunk, plan.prefill_dtype
         )
     return out
 

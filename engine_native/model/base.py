@@ -33,6 +33,8 @@ class CausalLM(Protocol):
     config: ModelConfig
     # How its layers attend (model/attention_backends.py); None: the model's own CPU path.
     attention_backend: AttentionBackend | None
+    # What the own CPU path's prefill attention computes in (EngineConfig.prefill_attention_dtype).
+    prefill_attention_dtype: torch.dtype
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Write the new tokens' K/V into `kv_cache`, return float32 logits

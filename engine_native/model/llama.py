@@ -246,6 +246,7 @@ class LlamaForCausalLM(nn.Module):
         self._fused_key: int | None = None
         # None: model/attention.py's CPU path (and the fused decoder); else the backend chosen at start.
         self.attention_backend: AttentionBackend | None = None
+        self.prefill_attention_dtype = torch.float32
         self.rope = RotaryTable(  # fp32 like every activation (and the fused decoder reads it)
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, torch.float32
         )
@@ -354,7 +355,8 @@ class LlamaForCausalLM(nn.Module):
         if self.attention_backend is not None:
             plan = self.attention_backend.plan(batch, kv_cache)
         else:
-            plan = AttentionPlan.from_batch(batch, decode_kernel=self.use_decode_kernel(kv_cache))
+            plan = AttentionPlan.from_batch(batch, decode_kernel=self.use_decode_kernel(kv_cache),
+                                            prefill_dtype=self.prefill_attention_dtype)
         cos, sin = self.rope.lookup(batch.positions)
         x = F.embedding(batch.input_ids, self.embed).float()
         for i, layer in enumerate(self.layers):

@@ -77,6 +77,7 @@ class TensorParallelLlama(nn.Module):
         self.placement = placement
         self.clock = clock
         self.attention_backend: AttentionBackend | None = None  # the layers' own CPU path
+        self.prefill_attention_dtype = torch.float32
         tp_group = placement.tp_group()
         self.embed: torch.Tensor | None = weights.get("model.embed_tokens.weight")
         layers = []
@@ -139,7 +140,7 @@ class TensorParallelLlama(nn.Module):
 
     def _layers(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         decode_kernel = cache_in_kernels(kv_cache.k[0])
-        plan = AttentionPlan.from_batch(batch, decode_kernel=decode_kernel)
+        plan = AttentionPlan.from_batch(batch, decode_kernel=decode_kernel, prefill_dtype=self.prefill_attention_dtype)
         cos, sin = self.rope.lookup(batch.positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch.slot_mapping, kv_cache.k[i], kv_cache.v[i], plan)

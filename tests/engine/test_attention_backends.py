@@ -10,6 +10,7 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,34 @@ def test_a_decode_batch_padded_for_a_graph_bucket_keeps_its_rows_logits(tiny: Lo
         assert padded.num_seqs == 4 and padded.block_tables.shape == (4, 8)
         got = model.forward(padded, seqs.cache)
     torch.testing.assert_close(got[:3], expected, atol=1e-5, rtol=0)
+
+
+def _first_token_logprobs(engine: LLMEngine, prompts: list[list[int]]) -> list[float]:
+    """The top logprob of each prompt's first token: what its prefill computed."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}", p, SamplingParams(max_tokens=1, temperature=0.0, logprobs=1))
+    top: dict[str, float] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.logprobs
+            top[out.request_id] = out.logprobs[0].top[0].logprob
+    return [top[f"p{i}"] for i in range(len(prompts))]
+
+
+def test_prefill_attention_in_the_kv_dtype_only_when_asked(tiny: LoadedModel) -> None:
+    """`prefill_attention_dtype="kv"` reaches the prefill chunks' attention: over a bf16 cache their
+    logits move by bf16 rounding, no more; the default keeps fp32; an unknown value is refused."""
+    config = EngineConfig(
+        model_path="tiny", dtype="float32", kv_dtype="bfloat16", device="cpu",
+        cache=CacheConfig(block_size=8, num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=24),
+    )
+    prompts = [prompt(n, seed) for n, seed in [(40, 2), (63, 4), (30, 6)]]  # split into chunks: cached context too
+    exact = _first_token_logprobs(LLMEngine(config, loaded=tiny), prompts)
+    assert tiny.model.prefill_attention_dtype == torch.float32
+    fast = _first_token_logprobs(LLMEngine(replace(config, prefill_attention_dtype="kv"), loaded=tiny), prompts)
+    assert tiny.model.prefill_attention_dtype == torch.bfloat16
+    diffs = [abs(a - b) for a, b in zip(exact, fast, strict=True)]
+    assert 0 < max(diffs) < 0.05, diffs
+    with pytest.raises(ValueError, match="prefill_attention_dtype"):
+        LLMEngine(replace(config, prefill_attention_dtype="fp16"), loaded=tiny)

@@ -3,7 +3,8 @@ output, agrees with the engine's tokens at least as often as Hugging Face's own 
 (minus 0.01), and never finds an engine token more than 1 nat below its best.
 
 Both the default configuration (dtype "auto": fp32 on CPUs without native bf16, bf16 where they have it;
-the quantized-block path for steps of a few tokens) and an explicit bf16 engine are held to that bar.
+the quantized-block path for steps of a few tokens) and an explicit bf16 engine are held to that bar, and
+so is the opt-in prefill attention in the KV cache's dtype (bf16).
 """
 
 from __future__ import annotations
@@ -92,18 +93,20 @@ def hf_bf16_agreement(hf_fp32: Any, prompts: list[list[int]]) -> float:
     return rate
 
 
-@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize(("dtype", "prefill_attention"), [("auto", "float32"), ("bfloat16", "float32"),
+                                                           ("bfloat16", "kv")])
 def test_engine_greedy_is_as_faithful_as_hf_bf16(
-    dtype: str, hf_fp32: Any, prompts: list[list[int]], hf_bf16_agreement: float
+    dtype: str, prefill_attention: str, hf_fp32: Any, prompts: list[list[int]], hf_bf16_agreement: float
 ) -> None:
     engine = LLMEngine(
-        EngineConfig(model_path=bundled_model_path(), dtype=dtype, cache=CacheConfig(num_blocks=512)),
+        EngineConfig(model_path=bundled_model_path(), dtype=dtype, cache=CacheConfig(num_blocks=512),
+                     prefill_attention_dtype=prefill_attention),
         progress=False,
     )
     # All eight at once, as a server runs them: prefills batched, then decode steps of eight rows.
     outputs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     rate, worst_gap = agreement(hf_fp32, prompts, outputs)
-    print(f"dtype={dtype}: agreement with HF fp32 {rate:.3f} (HF bf16: {hf_bf16_agreement:.3f}), "
+    print(f"dtype={dtype} prefill attention {prefill_attention}: agreement with HF fp32 {rate:.3f} (HF bf16: {hf_bf16_agreement:.3f}), "
           f"worst gap {worst_gap:.3f} nat")
     assert rate >= hf_bf16_agreement - 0.01
     assert worst_gap <= 1.0

@@ -22,6 +22,7 @@ def test_unset_knobs_keep_the_engine_defaults() -> None:
     assert config.engine.scheduler == SchedulerConfig()
     assert config.engine.cache == CacheConfig()
     assert config.engine.dtype == EngineConfig(model_path="x").dtype
+    assert config.engine.prefill_attention_dtype == EngineConfig(model_path="x").prefill_attention_dtype
     assert config.num_engines == 1
     assert config.engine_config(0).node_id == "node-0"
 
@@ -36,6 +37,8 @@ def test_environment_then_flags_reach_every_engine() -> None:
         assert e.model_path == "/m.gguf"
     flag_wins = NativeDriverConfig.from_options(serve_options(["--max-waiting", "11"], env))
     assert flag_wins.engine.scheduler.max_waiting == 11
+    kv = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--prefill-attention-dtype", "kv"]))
+    assert [kv.engine_config(i).prefill_attention_dtype for i in range(2)] == ["kv", "kv"]
 
 
 def test_zero_waiting_tokens_means_no_token_bound() -> None:
