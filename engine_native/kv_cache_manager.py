@@ -12,6 +12,7 @@ Invariant (checked by `check_integrity`, run by the tests after every step):
     every used block's ref count == the number of block tables that hold it
     no free block is held by any request; no block appears twice in one table
     the prefix-cache index and the blocks' own hashes agree
+    a block in flight is not cached yet, and its request holds blocks
 
 Prefix caching (when enabled): every full block of a request is named by a
 SHA-256 chain over a salt and the token ids (`block_hash.py`). The salt
@@ -19,7 +20,9 @@ is the tenant id, so tenants never share cache unless configured to. A new
 request first looks up the longest run of its full blocks already in the cache
 and takes them with a reference (no compute); blocks whose reference count drops
 to zero stay cached on the free list and are evicted least-recently-freed first
-when a block is needed.
+when a block is needed. The full prompt blocks a request will compute are noted
+as in flight until computed, so that a request arriving with the same prefix
+can wait for them (the scheduler) instead of computing them a second time.
 
     block table:  | cached, shared (ref >= 1) | own, computed | own, being filled |
                   |<-- num_cached_tokens -->|
@@ -108,6 +111,15 @@ class KVCacheUsage:
         return self.num_used / self.num_blocks
 
 
+@dataclass(frozen=True)
+class PrefixLookup:
+    """What the cache holds of a prompt's full blocks."""
+
+    blocks: list[int]  # the longest cached run, in order
+    uncached: list[BlockHash]  # the hashes of the full blocks after it: what the request would compute
+    in_flight_by: str | None  # the request computing the first of `uncached` right now, if any
+
+
 class KVCacheManager:
     """Per-request block tables on top of a BlockPool."""
 
@@ -124,6 +136,9 @@ class KVCacheManager:
         self.share_prefix_across_tenants = share_prefix_across_tenants
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}  # hash chain of each request's full blocks
+        # Full prompt blocks admitted requests are computing, not yet cached: hash -> request id.
+        self._in_flight: dict[BlockHash, str] = {}
+        self._in_flight_of: dict[str, list[BlockHash]] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
 
@@ -184,19 +199,34 @@ class KVCacheManager:
     def find_cached_prefix(self, token_ids: list[int], salt: str | None) -> list[int]:
         """Block ids of the longest cached run of `token_ids`' full blocks. At least one token is
         always left to compute, since the step that computes it samples the next."""
+        return self.lookup_prefix(token_ids, salt).blocks
+
+    def lookup_prefix(self, token_ids: list[int], salt: str | None) -> PrefixLookup:
+        """`find_cached_prefix`, plus the hashes of the full blocks past the cached run and whether
+        another request is computing the first of them now."""
         if not self.enable_prefix_caching:
-            return []
+            return PrefixLookup([], [], None)
         bs = self.block_size
         blocks: list[int] = []
+        uncached: list[BlockHash] = []
         parent = root_hash(salt)
         for i in range((len(token_ids) - 1) // bs):
             h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
-            b = self.pool.cached.get(h)
+            b = None if uncached else self.pool.cached.get(h)
             if b is None:
-                break
-            blocks.append(b)
+                uncached.append(h)
+            else:
+                blocks.append(b)
             parent = h
-        return blocks
+        return PrefixLookup(blocks, uncached, self._in_flight.get(uncached[0]) if uncached else None)
+
+    def note_in_flight(self, request_id: str, hashes: list[BlockHash]) -> None:
+        """The request now computes these full blocks (from `lookup_prefix`); `cache_full_blocks`
+        or `free` ends that. A block another request already computes stays that one's."""
+        mine = self._in_flight_of.setdefault(request_id, [])
+        for h in hashes:
+            if self._in_flight.setdefault(h, request_id) == request_id:
+                mine.append(h)
 
     def cache_full_blocks(
         self, request_id: str, num_computed_tokens: int, token_ids: Callable[[int, int], list[int]], salt: str | None
@@ -212,6 +242,7 @@ class KVCacheManager:
             h = block_hash(parent, token_ids(i * bs, (i + 1) * bs))
             self.pool.register(table[i], h)
             hashes.append(h)
+            self._in_flight.pop(h, None)  # cached now, whoever was computing it
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request that holds nothing could get room for `num_tokens` now."""
@@ -221,6 +252,9 @@ class KVCacheManager:
         """Release every block the request holds; a no-op for unknown ids."""
         blocks = self._tables.pop(request_id, None)
         self._hashes.pop(request_id, None)
+        for h in self._in_flight_of.pop(request_id, []):
+            if self._in_flight.get(h) == request_id:
+                del self._in_flight[h]
         if blocks:
             # Reversed: the tail of a sequence is the least likely to be shared later.
             self.pool.release(list(reversed(blocks)))
@@ -250,3 +284,6 @@ class KVCacheManager:
         for h, b in self.pool.cached.items():
             if self.pool.block_hash[b] != h:
                 raise AssertionError(f"cache index names block {b} for a hash it does not carry")
+        for h, request_id in self._in_flight.items():
+            if request_id not in self._tables or h in self.pool.cached:
+                raise AssertionError(f"a block in flight for {request_id} is cached already or its request holds none")

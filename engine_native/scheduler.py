@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from engine_native.config import SchedulerConfig
 from engine_native.errors import QueueFullError
 from engine_native.fair_queue import FairShare, WaitingQueue, tenant_of
-from engine_native.kv_cache_manager import KVCacheManager, cdiv
+from engine_native.kv_cache_manager import KVCacheManager, PrefixLookup, cdiv
 from engine_native.request import Request, RequestStatus
 from engine_native.sampler import TokenLogprobs
 from engine_native.stop import check_stop_token
@@ -118,6 +118,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_prefill_chunks = 0
+        self.num_prefix_waits = 0  # admissions put off a step for a prefix another request computes
 
     # ----- admission -------------------------------------------------------------------
 
@@ -252,23 +253,28 @@ class Scheduler:
             request = self.waiting.peek()
             if below_priority is not None and request.priority >= below_priority:
                 return
+            # Waiting requests hold no device blocks (new, preempted, swapped out): a swapped one resumes
+            # where it stopped, the others start from their cached prefix.
+            swapped = self.swap is not None and self.swap.space.holds(request.request_id)
+            lookup = PrefixLookup([], [], None)
+            if self.kv_cache.enable_prefix_caching and not swapped:
+                lookup = self.kv_cache.lookup_prefix(
+                    request.token_ids_slice(0, request.num_tokens), self.kv_cache.salt(request.tenant_id)
+                )
+                if self._computing_elsewhere(lookup, request):
+                    # A running request is computing the next blocks of this prompt (a burst of requests
+                    # sharing a system prompt): wait the step or few until they are cached rather than
+                    # compute them again. Those behind it in the queue wait too: strict order.
+                    self.num_prefix_waits += 1
+                    return
             if len(self.running) >= self.config.max_num_seqs:
                 restored = self._preempt_less_important(request, out)
                 if restored is None:
                     return
                 budget += restored
                 continue
-            # Waiting requests hold no device blocks (new, preempted, swapped out): a swapped one resumes
-            # where it stopped, the others start from their cached prefix.
-            swapped = self.swap is not None and self.swap.space.holds(request.request_id)
-            cached: list[int] = []
-            if swapped:
-                start = request.num_computed_tokens
-            else:
-                if self.kv_cache.enable_prefix_caching:
-                    all_tokens = request.token_ids_slice(0, request.num_tokens)
-                    cached = self.kv_cache.find_cached_prefix(all_tokens, self.kv_cache.salt(request.tenant_id))
-                start = len(cached) * self.kv_cache.block_size
+            cached = lookup.blocks
+            start = request.num_computed_tokens if swapped else len(cached) * self.kv_cache.block_size
             n_new = min(request.num_tokens - start, chunk_cap, budget)
             if self.kv_cache.allocate_slots(request.request_id, start + n_new, cached) is None:
                 restored = self._preempt_less_important(request, out)
@@ -284,6 +290,7 @@ class Scheduler:
             request.num_computed_tokens = start
             if self.kv_cache.enable_prefix_caching and not swapped:
                 self.kv_cache.record_prefix_lookup(request.num_tokens, start)
+                self.kv_cache.note_in_flight(request.request_id, lookup.uncached)
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -291,6 +298,12 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest.of(request, n_new, 0 if swapped else start))
             budget -= n_new
+
+    def _computing_elsewhere(self, lookup: PrefixLookup, request: Request) -> bool:
+        """Whether another request, running, computes the first block of `request`'s prompt that
+        the cache lacks (one preempted or finished has let go of its blocks in flight)."""
+        owner = self.requests.get(lookup.in_flight_by) if lookup.in_flight_by is not None else None
+        return owner is not None and owner is not request and owner.status == RequestStatus.RUNNING
 
     def _preempt_less_important(self, request: Request, out: SchedulerOutput) -> int | None:
         """Preempt the least important running request if it is strictly less important than

@@ -96,6 +96,38 @@ def test_unreferenced_cached_blocks_are_evicted_lru_when_space_is_needed() -> No
     assert scheduled.num_computed_before < 16
 
 
+def test_a_burst_sharing_a_prefix_computes_it_once() -> None:
+    """Requests that arrive together with the same system prompt: the first computes it, the others
+    wait for its blocks to be cached instead of computing them again."""
+    s = caching_scheduler()
+    a, b, c = (request(rid, SYSTEM + [k]) for rid, k in (("a", 1), ("b", 2), ("c", 3)))
+    for r in (a, b, c):
+        s.add_request(r)
+    (first,) = run_step(s).scheduled
+    assert first.request is a and first.num_new_tokens == 19 and s.num_prefix_waits == 1
+    second = run_step(s).scheduled  # a decodes; b and c start from the 16 cached tokens
+    assert {(x.request.request_id, x.num_computed_before, x.num_new_tokens) for x in second} == {
+        ("a", 19, 1), ("b", 16, 3), ("c", 16, 3)}
+    assert s.kv_cache.prefix_hits == 32
+    drain(s)
+    for r in (a, b, c):
+        assert r.output_token_ids == [token_for(r, k) for k in range(4)]
+
+
+def test_a_request_waiting_on_a_prefix_goes_on_when_its_computer_stops() -> None:
+    kv = KVCacheManager(64, BS, enable_prefix_caching=True)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=8),
+                  kv, max_model_len=4096)
+    s.add_request(request("a", SYSTEM + [1]))
+    s.add_request(request("b", SYSTEM + [2]))
+    (first,) = run_step(s).scheduled  # a computes 8 of its 19 tokens; b waits for the rest of the prefix
+    assert first.request.request_id == "a" and first.num_new_tokens == 8
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    (second,) = run_step(s).scheduled  # nobody computes the prefix now: b does, from what a cached
+    assert (second.request.request_id, second.num_computed_before, second.num_new_tokens) == ("b", 8, 8)
+    drain(s)
+
+
 class PrefixMachine(RuleBasedStateMachine):
     """Random requests over a few shared prefixes, aborts and steps: the invariant always holds
     and every finished request has exactly the tokens it would have had alone."""
