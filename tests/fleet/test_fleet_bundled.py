@@ -10,6 +10,12 @@ greedy tokens can change with what else shares its steps; equality with a solo r
 on solo runs. Concurrent streams across a kill are
 checked token for token on the synthetic engine (test_fleet_failover.py).
 
+The workers run the dense weights in fp32 (`--dtype float32`): a resumed request is recomputed by the
+dense GEMMs while the tokens before the kill came from the quantized blocks, and in fp32 the two hold the
+same values and differ only in the order of additions. With bf16 dense weights (the default on a bf16 host)
+the recompute rounds activations to bf16, and a near tie flipped the last tokens after the kill on an AMX
+host in 5 of 7 runs (docs/engine.md, "Numerics").
+
 Kept small for the suite's budget: 24 tokens, one engine thread per worker, steps slowed by 50 ms
 so that the kill lands mid-stream."""
 
@@ -32,7 +38,7 @@ PROMPTS = [
     "The capital of France is",
     "Water boils at a temperature of",
 ]
-NATIVE = ["--driver", "native", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--num-threads", "1",
+NATIVE = ["--driver", "native", "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--num-threads", "1",
           "--fault-step-delay", "node-0=0.05"]
 
 
