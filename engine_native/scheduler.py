@@ -253,8 +253,15 @@ class Scheduler:
             request = self.waiting.peek()
             if below_priority is not None and request.priority >= below_priority:
                 return
+            if len(self.running) >= self.config.max_num_seqs:
+                restored = self._preempt_less_important(request, out)
+                if restored is None:
+                    return
+                budget += restored
+                continue
             # Waiting requests hold no device blocks (new, preempted, swapped out): a swapped one resumes
-            # where it stopped, the others start from their cached prefix.
+            # where it stopped, the others start from their cached prefix. Looked up once there is room:
+            # it hashes the whole prompt.
             swapped = self.swap is not None and self.swap.space.holds(request.request_id)
             lookup = PrefixLookup([], [], None)
             if self.kv_cache.enable_prefix_caching and not swapped:
@@ -267,12 +274,6 @@ class Scheduler:
                     # compute them again. Those behind it in the queue wait too: strict order.
                     self.num_prefix_waits += 1
                     return
-            if len(self.running) >= self.config.max_num_seqs:
-                restored = self._preempt_less_important(request, out)
-                if restored is None:
-                    return
-                budget += restored
-                continue
             cached = lookup.blocks
             start = request.num_computed_tokens if swapped else len(cached) * self.kv_cache.block_size
             n_new = min(request.num_tokens - start, chunk_cap, budget)
