@@ -176,7 +176,7 @@ class KVCacheManager:
         self, request_id: str, num_total_tokens: int, cached_prefix: list[int] | None = None
     ) -> list[int] | None:
         """Grow the request's table to hold `num_total_tokens` tokens (computed + new), first
-        taking `cached_prefix` (from `find_cached_prefix`, for a request that holds nothing yet).
+        taking `cached_prefix` (`lookup_prefix(...).blocks`, for a request that holds nothing yet).
 
         Returns the newly added block ids (possibly empty), or None if the
         pool cannot provide them; in that case nothing changes.
@@ -196,14 +196,10 @@ class KVCacheManager:
         table.extend(new_blocks)
         return prefix + new_blocks
 
-    def find_cached_prefix(self, token_ids: list[int], salt: str | None) -> list[int]:
-        """Block ids of the longest cached run of `token_ids`' full blocks. At least one token is
-        always left to compute, since the step that computes it samples the next."""
-        return self.lookup_prefix(token_ids, salt).blocks
-
     def lookup_prefix(self, token_ids: list[int], salt: str | None) -> PrefixLookup:
-        """`find_cached_prefix`, plus the hashes of the full blocks past the cached run and whether
-        another request is computing the first of them now."""
+        """The longest cached run of `token_ids`' full blocks, the hashes of the full blocks past it and
+        whether another request is computing the first of them now. At least one token is always left
+        to compute, since the step that computes it samples the next."""
         if not self.enable_prefix_caching:
             return PrefixLookup([], [], None)
         bs = self.block_size

@@ -46,17 +46,19 @@ torch::Tensor empty_rows(int64_t t, int64_t n, const torch::Tensor& like, bool b
 
 uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
-// Each row's result lands in `row` (fp32) and is then stored as the output's dtype.
+// Each row's result is computed in fp32: straight into an fp32 output, or into `row` and then rounded
+// into a bf16 one.
 template <typename Out, typename F>
 void rows_to(torch::Tensor& out, int64_t t, int64_t n, F&& compute) {
   Out* os = reinterpret_cast<Out*>(out.data_ptr());
   at::parallel_for(0, t, kRowGrain, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(static_cast<size_t>(n)), scratch;
+    std::vector<float> row, scratch;
+    if constexpr (!std::is_same_v<Out, float>) row.resize(static_cast<size_t>(n));
     for (int64_t r = begin; r < end; ++r) {
-      compute(r, row.data(), scratch);
       if constexpr (std::is_same_v<Out, float>) {
-        std::copy(row.begin(), row.end(), os + r * n);
+        compute(r, os + r * n, scratch);
       } else {
+        compute(r, row.data(), scratch);
         store_row(os + r * n, row.data(), n);
       }
     }
