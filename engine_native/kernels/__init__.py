@@ -9,6 +9,7 @@ What each function computes is written at the top of its source file:
     fused_decode.cpp     FusedDecoder: a whole pure-decode step of a Llama-family model in one call
     elementwise.cpp      rms_norm, add_rms_norm, rope_write_kv, silu_mul: the row-wise steps between GEMMs
     sample.cpp           sample_rows: a token per row from softmax(logits / temperature), no truncation
+    amx_linear.cpp       amx_q4_1_linear: x @ W^T with W in Q4_1 blocks through AMX (bf16 in and out), where the CPU has it
 
 The build goes through torch.utils.cpp_extension (ninja, the host's g++) into
 ~/.cache/sluice/kernels/<key>, where the key covers the source, torch's version and this CPU's
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("bindings.cpp", "quant_linear.cpp", "paged_attention.cpp", "fused_decode.cpp",
-                                 "elementwise.cpp", "sample.cpp")]
+                                 "elementwise.cpp", "sample.cpp", "amx_linear.cpp")]
 _HEADERS = [_HERE / "simd.h", _HERE / "rowops.h"]
 
 

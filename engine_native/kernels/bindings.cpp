@@ -6,6 +6,7 @@ void register_paged_attention(pybind11::module& m);
 void register_fused_decode(pybind11::module& m);
 void register_elementwise(pybind11::module& m);
 void register_sample(pybind11::module& m);
+void register_amx_linear(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant_linear(m);
@@ -13,4 +14,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_decode(m);
   register_elementwise(m);
   register_sample(m);
+  register_amx_linear(m);
 }

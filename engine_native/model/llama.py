@@ -36,6 +36,9 @@ from engine_native.model.quant import (
     Q41Weight,
     Q80Weight,
     QuantWeight,
+    amx_available,
+    amx_fits,
+    amx_linear,
     concat,
     kernels_available,
     quant_linear,
@@ -133,6 +136,9 @@ class DecoderLayer(nn.Module):
         # Blocks used for steps of at most `quantized_max_rows` tokens; empty = dense only.
         self.quantized: dict[str, QuantWeight] = {}
         self.quantized_max_rows = 0
+        # Q4_1 blocks multiplied through AMX in steps of more than quantized_max_rows, up to amx_max_rows.
+        self.amx: dict[str, Q41Weight] = {}
+        self.amx_max_rows = 0
         # The dense matrices in oneDNN's own layout (pack_dense), which replace the plain ones.
         self.packed: dict[str, torch.Tensor] = {}
 
@@ -146,11 +152,18 @@ class DecoderLayer(nn.Module):
             setattr(self, name, _frozen(torch.empty(0, dtype=weight.dtype)))
         return len(_DENSE)
 
-    def enable_quantized(self, max_rows: int) -> int:
-        """Multiply by the kept blocks in steps of at most `max_rows` tokens; returns how many matrices."""
+    def enable_quantized(self, max_rows: int, amx_max_rows: int = 0) -> int:
+        """Multiply by the kept blocks in steps of at most `max_rows` tokens, and by the Q4_1 ones through
+        AMX in steps of at most `amx_max_rows` (the caller checked AMX and bf16); returns how many matrices."""
         self.quantized = dict(self._available) if max_rows > 0 else {}
         self.quantized_max_rows = max_rows
-        return len(self.quantized)
+        # The AMX kernel takes no bias: a Qwen2 qkv stays on the dense GEMM.
+        self.amx = {
+            name: w for name, w in self._available.items()
+            if isinstance(w, Q41Weight) and amx_fits(w) and not (name == "qkv_weight" and self.qkv_bias is not None)
+        } if amx_max_rows > max_rows else {}
+        self.amx_max_rows = amx_max_rows if self.amx else 0
+        return len(self.quantized.keys() | self.amx.keys())
 
     def _linear(
         self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, keep_dtype: bool = False
@@ -159,6 +172,10 @@ class DecoderLayer(nn.Module):
         blocks = self.quantized.get(name)
         if blocks is not None and x.shape[0] <= self.quantized_max_rows:
             return quant_linear(x, blocks, bias)
+        amx = self.amx.get(name)
+        if amx is not None and x.shape[0] <= self.amx_max_rows:
+            out = amx_linear(x, amx)
+            return out if keep_dtype else out.float()
         packed = self.packed.get(name)
         out = (
             _packed_linear(x.to(self.dtype), packed, bias)
@@ -252,15 +269,19 @@ class LlamaForCausalLM(nn.Module):
         )
         self._check_shapes()
 
-    def enable_quantized(self, max_rows: int) -> int:
-        """Multiply by the GGUF blocks the loader kept in steps of at most `max_rows` tokens (0: never).
-        Returns the number of weight matrices that will; 0 where the kernels cannot run here."""
+    def enable_quantized(self, max_rows: int, amx_max_rows: int = 0) -> int:
+        """Multiply by the GGUF blocks the loader kept in steps of at most `max_rows` tokens (0: never),
+        and by the Q4_1 ones through AMX in steps of at most `amx_max_rows` where the dense weights are
+        bf16 (the AMX path's values are theirs) and the CPU has AMX-BF16. Returns the number of weight
+        matrices that will; 0 where the kernels cannot run here."""
         if max_rows <= 0 or not kernels_available():
             max_rows = 0
+        if not (amx_max_rows > 0 and self.dtype == torch.bfloat16 and kernels_available() and amx_available()):
+            amx_max_rows = 0
         self.quantized_max_rows = max_rows
         self.lm_head_quantized = self._lm_head_available if max_rows else None
         self._fused, self._fused_key = None, None
-        layers = sum(layer.enable_quantized(max_rows) for layer in self.layers)  # type: ignore[operator]
+        layers = sum(layer.enable_quantized(max_rows, amx_max_rows) for layer in self.layers)  # type: ignore[operator]
         return layers + (self.lm_head_quantized is not None)
 
     def pack_dense(self, batch_hint: int = 32) -> int:

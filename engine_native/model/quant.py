@@ -5,7 +5,9 @@ quantized to. A step of at most `EngineConfig.quantized_max_rows` tokens multipl
 (reading 4-8x fewer bytes than fp32); a bigger step uses the dense GEMM, which is faster once the
 step is compute-bound. Both paths use the same fp32 weight values (the kernel dequantizes in
 registers exactly as gguf does at load), so a request's output does not depend on which path its
-step took beyond the order of additions.
+step took beyond the order of additions. With bf16 dense weights on a CPU with AMX-BF16, steps of up
+to `EngineConfig.amx_max_rows` tokens multiply by the Q4_1 blocks through AMX (`amx_linear`), which
+dequantizes them to the dense path's very bf16 values and rounds its output as the dense GEMM does.
 
     Q4_1 block of 32 weights: fp16 d, fp16 m, 16 bytes of nibbles -> w = d * q + m, q in 0..15
     Q8_0 block of 32 weights: fp16 d, 32 int8                     -> w = d * q
@@ -103,6 +105,25 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
 
 def kernels_available() -> bool:
     return _kernels() is not None
+
+
+def amx_available() -> bool:
+    """Whether `amx_linear` runs here: the kernels built for a CPU with AMX-BF16, the OS granting it."""
+    kernels = _kernels()
+    return kernels is not None and bool(kernels.amx_q4_1_available())
+
+
+def amx_fits(w: QuantWeight) -> bool:
+    return isinstance(w, Q41Weight) and w.shape[0] % 32 == 0
+
+
+def amx_linear(x: torch.Tensor, w: Q41Weight) -> torch.Tensor:
+    """x [M, K] @ w^T -> [M, N] bf16 through AMX (kernels/amx_linear.cpp), rounded as the dense bf16
+    GEMM rounds its output; x is rounded to bf16 first, as for the dense GEMM. Needs `amx_available()`
+    and `amx_fits(w)`."""
+    kernels = _kernels()
+    assert kernels is not None
+    return kernels.amx_q4_1_linear(x.to(torch.bfloat16).contiguous(), w.qs, w.dm, True)
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

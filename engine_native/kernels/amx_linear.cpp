@@ -1,0 +1,225 @@
+// x @ W^T with W in GGUF Q4_1 blocks, through AMX, for steps of more tokens than the fp32 block kernels
+// (quant_linear.cpp) serve well: a step of 32 decoding streams reads every weight once, and the dense bf16
+// GEMM reads 2 bytes a weight where the blocks hold 0.625.
+//
+// Same values as the dense path: each block is dequantized to the very bf16 weights the loader made
+// (w = fma(d, q, m) in fp32, exact as in quant_linear.cpp, rounded to nearest even as torch's
+// .to(torch.bfloat16) rounds), x is the bf16 input the dense GEMM gets, tdpbf16ps forms the exact
+// products in fp32 and adds them in fp32, and the result is rounded to bf16 the way oneDNN's bf16 output
+// is. So it differs from the dense GEMM only in the order of the additions.
+//
+// Roles: the weight is the A operand (16 rows of W = 16 output features, 32 k in a 64-byte tile row,
+// the plain layout a dequantized block lands in) and x the B operand, laid out once per call in AMX's
+// pair-interleaved form (16 k-pairs x 16 rows of x). A C tile is then 16 features x 16 tokens, stored
+// transposed into the [M, N] output. Per 32 features, one thread dequantizes the 32 x K slice into a
+// scratch buffer (L2-resident: 96 KB at K = 1536) and runs every 32-token slice of x over it, so a
+// weight is read from memory once per call whatever M is.
+//
+// Built where the compiler targets AMX-BF16 (-march=native on such a CPU; the build is keyed on the CPU's
+// flags); elsewhere `amx_q4_1_available()` is false and the callers keep the dense GEMM.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define SLUICE_HAVE_AMX 1
+#endif
+
+namespace sluice {
+namespace {
+
+constexpr int64_t kBlock = 32;  // weights per Q4_1 block = k per tile row
+constexpr int64_t kTile = 16;   // rows of a tile: 16 features (A), 16 k-pairs (B), 16 features (C)
+
+#ifdef SLUICE_HAVE_AMX
+
+// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); oneDNN asks too, once is enough for every thread.
+bool amx_permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0, 1: W rows f..f+15, f+16..f+31; 2, 3: x rows t..t+15, t+16..t+31 (pair-interleaved);
+// 4 + 2i + j: C for W tile i and x tile j. All 16 rows of 64 bytes.
+void configure_tiles() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = kTile;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One Q4_1 block -> its 32 weights as bf16, in element order.
+inline void dequantize_block(const uint8_t* qs, float d, float m, uint16_t* dst) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(packed, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  const __m512 vd = _mm512_set1_ps(d);
+  const __m512 vm = _mm512_set1_ps(m);
+  const __m512 w0 = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vm);
+  const __m512 w1 = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vm);
+  _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w1, w0)));
+}
+
+// x [M, K] bf16 -> [M/16 (rounded up)][K/32][16 k-pairs][16 rows][2], zero rows past M.
+void interleave_x(const uint16_t* x, int64_t m, int64_t k, uint32_t* out) {
+  const int64_t pairs = k / 2, kblocks = k / kBlock, mtiles = (m + kTile - 1) / kTile;
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
+  at::parallel_for(0, mtiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t mt = begin; mt < end; ++mt) {
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        uint32_t* tile = out + (mt * kblocks + kb) * kTile * kTile;
+        for (int64_t r = 0; r < kTile; ++r) {
+          const int64_t row = mt * kTile + r;
+          if (row < m) {
+            const uint32_t* src = xp + row * pairs + kb * kTile;
+            for (int64_t p = 0; p < kTile; ++p) tile[p * kTile + r] = src[p];
+          } else {
+            for (int64_t p = 0; p < kTile; ++p) tile[p * kTile + r] = 0;
+          }
+        }
+      }
+    }
+  });
+}
+
+// C tile (16 features x 16 tokens, fp32) -> out[t0 + t, f0 .. f0 + 15], a column of the tile per row.
+inline __m512 tile_column(const float* c, int64_t t) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(kTile));
+  return _mm512_i32gather_ps(rows, c + t, 4);
+}
+
+inline void write_tile(const float* c, int64_t f0, int64_t t0, int64_t m, int64_t n, float* out) {
+  const int64_t rows = std::min(kTile, m - t0);
+  for (int64_t t = 0; t < rows; ++t) _mm512_storeu_ps(out + (t0 + t) * n + f0, tile_column(c, t));
+}
+
+// Rounded to nearest even, as oneDNN's bf16 output and torch's .to(torch.bfloat16) round.
+inline void write_tile(const float* c, int64_t f0, int64_t t0, int64_t m, int64_t n, at::BFloat16* out) {
+  const int64_t rows = std::min(kTile, m - t0);
+  for (int64_t t = 0; t < rows; ++t) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (t0 + t) * n + f0),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(tile_column(c, t))));
+  }
+}
+
+template <typename Out>
+void amx_q4_1_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qs, const float* dm, int64_t n, Out* out) {
+  const int64_t kblocks = k / kBlock, mtiles = (m + kTile - 1) / kTile;
+  std::vector<uint32_t> xt(static_cast<size_t>(mtiles * kblocks * kTile * kTile));
+  interleave_x(x, m, k, xt.data());
+  const uint32_t* xtiles = xt.data();
+  at::parallel_for(0, n / (2 * kTile), 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    std::vector<uint16_t> w(static_cast<size_t>(2 * kTile * k));
+    alignas(64) float c[4][kTile * kTile];
+    for (int64_t fb = begin; fb < end; ++fb) {
+      const int64_t f0 = fb * 2 * kTile;
+      for (int64_t r = 0; r < 2 * kTile; ++r) {
+        const uint8_t* rq = qs + (f0 + r) * kblocks * 16;
+        const float* rs = dm + (f0 + r) * kblocks * 2;
+        for (int64_t b = 0; b < kblocks; ++b) dequantize_block(rq + b * 16, rs[2 * b], rs[2 * b + 1], &w[r * k + b * kBlock]);
+      }
+      const uint16_t* w0 = w.data();
+      const uint16_t* w1 = w.data() + kTile * k;
+      const int64_t wstride = k * 2;
+      for (int64_t mt = 0; mt < mtiles; mt += 2) {
+        const bool two = mt + 1 < mtiles;
+        const uint32_t* x0 = xtiles + mt * kblocks * kTile * kTile;
+        const uint32_t* x1 = x0 + kblocks * kTile * kTile;
+        _tile_zero(4);
+        _tile_zero(6);
+        if (two) {
+          _tile_zero(5);
+          _tile_zero(7);
+        }
+        for (int64_t kb = 0; kb < kblocks; ++kb) {
+          _tile_loadd(0, w0 + kb * kBlock, wstride);
+          _tile_loadd(1, w1 + kb * kBlock, wstride);
+          _tile_loadd(2, x0 + kb * kTile * kTile, 64);
+          _tile_dpbf16ps(4, 0, 2);
+          _tile_dpbf16ps(6, 1, 2);
+          if (two) {
+            _tile_loadd(3, x1 + kb * kTile * kTile, 64);
+            _tile_dpbf16ps(5, 0, 3);
+            _tile_dpbf16ps(7, 1, 3);
+          }
+        }
+        _tile_stored(4, c[0], 64);
+        _tile_stored(6, c[2], 64);
+        write_tile(c[0], f0, mt * kTile, m, n, out);
+        write_tile(c[2], f0 + kTile, mt * kTile, m, n, out);
+        if (two) {
+          _tile_stored(5, c[1], 64);
+          _tile_stored(7, c[3], 64);
+          write_tile(c[1], f0, (mt + 1) * kTile, m, n, out);
+          write_tile(c[3], f0 + kTile, (mt + 1) * kTile, m, n, out);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+#endif  // SLUICE_HAVE_AMX
+
+bool amx_q4_1_available() {
+#ifdef SLUICE_HAVE_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// x [M, K] bf16 @ Q4_1 weight [N, K]^T -> [M, N] bf16 (out_bf16) or float32. N must be a multiple of 32.
+torch::Tensor amx_q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm, bool out_bf16) {
+  TORCH_CHECK(amx_q4_1_available(), "AMX-BF16 is not available on this CPU or build");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
+              "x must be a contiguous bfloat16 [M, K] tensor");
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 16 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous(),
+              "qs must be a contiguous uint8 [N, K/32, 16] tensor");
+  TORCH_CHECK(dm.dim() == 3 && dm.size(2) == 2 && dm.scalar_type() == torch::kFloat32 && dm.is_contiguous(),
+              "dm must be a contiguous float32 [N, K/32, 2] tensor");
+  const int64_t n = qs.size(0), k = qs.size(1) * kBlock, m = x.size(0);
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight ", k);
+  TORCH_CHECK(n % (2 * kTile) == 0, "the weight's rows (", n, ") must be a multiple of 32");
+  auto out = torch::empty({m, n}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+#ifdef SLUICE_HAVE_AMX
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  if (out_bf16) {
+    amx_q4_1_matmul(xp, m, k, qs.data_ptr<uint8_t>(), dm.data_ptr<float>(), n, out.data_ptr<at::BFloat16>());
+  } else {
+    amx_q4_1_matmul(xp, m, k, qs.data_ptr<uint8_t>(), dm.data_ptr<float>(), n, out.data_ptr<float>());
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+}  // namespace sluice
+
+void register_amx_linear(pybind11::module& m) {
+  using namespace sluice;
+  m.def("amx_q4_1_available", &amx_q4_1_available, "whether amx_q4_1_linear runs on this CPU and build");
+  m.def("amx_q4_1_linear", &amx_q4_1_linear, "x [M, K] bf16 @ Q4_1 weight [N, K]^T -> [M, N] bf16 or fp32, via AMX",
+        pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("dm"), pybind11::arg("out_bf16"));
+}
