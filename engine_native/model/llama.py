@@ -166,15 +166,17 @@ class DecoderLayer(nn.Module):
         return len(self.quantized.keys() | self.amx.keys())
 
     def _linear(
-        self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, keep_dtype: bool = False
+        self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, keep_dtype: bool = False,
+        amx: bool = False,
     ) -> torch.Tensor:
-        """x @ W^T in float32, or with `keep_dtype` (only where `_bf16_io`) as the dense GEMM returns it."""
+        """x @ W^T in float32, or with `keep_dtype` (only where `_bf16_io`) as the dense GEMM returns it;
+        `amx`: a pure-decode step, which may take the AMX kernel."""
         blocks = self.quantized.get(name)
         if blocks is not None and x.shape[0] <= self.quantized_max_rows:
             return quant_linear(x, blocks, bias)
-        amx = self.amx.get(name)
-        if amx is not None and x.shape[0] <= self.amx_max_rows:
-            out = amx_linear(x, amx)
+        amx_blocks = self.amx.get(name)
+        if amx_blocks is not None and amx and x.shape[0] <= self.amx_max_rows:
+            out = amx_linear(x, amx_blocks)
             return out if keep_dtype else out.float()
         packed = self.packed.get(name)
         out = (
@@ -198,27 +200,28 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         plan: AttentionPlan | StepAttention,
+        amx: bool = False,
     ) -> torch.Tensor:
-        """x: the float32 residual stream [T, hidden]."""
+        """x: the float32 residual stream [T, hidden]; `amx`: a pure-decode step (`_linear`)."""
         cfg = self.config
         t = x.shape[0]
         kernels = cpu_kernels() if self.rowwise_kernels and cache_in_kernels(k_cache) else None
         if kernels is not None:  # the row-wise steps as one C++ pass each (kernels/elementwise.cpp)
             bf16 = self._bf16_io(t)
             h = kernels.rms_norm(x, self.input_norm, cfg.rms_norm_eps, out_bf16=bf16)
-            qkv = self._linear(h, "qkv_weight", self.qkv_bias, keep_dtype=bf16)
+            qkv = self._linear(h, "qkv_weight", self.qkv_bias, keep_dtype=bf16, amx=amx)
             q = kernels.rope_write_kv(qkv, cos.view(t, -1), sin.view(t, -1), k_cache, v_cache, slots,
                                       cfg.num_heads, cfg.num_kv_heads)
             if isinstance(plan, AttentionPlan):
                 attn = paged_attention(q, k_cache, v_cache, plan)
             else:  # another backend (model/attention_backends.py)
                 attn = plan.attend(q, k_cache, v_cache)
-            o = self._linear(attn.reshape(t, self.q_size), "o_weight", keep_dtype=bf16)
+            o = self._linear(attn.reshape(t, self.q_size), "o_weight", keep_dtype=bf16, amx=amx)
             h = kernels.add_rms_norm(x, o, self.post_norm, cfg.rms_norm_eps, out_bf16=bf16)
-            act = kernels.silu_mul(self._linear(h, "gate_up_weight", keep_dtype=bf16), out_bf16=bf16)
-            return x.add_(self._linear(act, "down_weight", keep_dtype=bf16))  # fp32 += bf16 widens exactly
+            act = kernels.silu_mul(self._linear(h, "gate_up_weight", keep_dtype=bf16, amx=amx), out_bf16=bf16)
+            return x.add_(self._linear(act, "down_weight", keep_dtype=bf16, amx=amx))  # fp32 += bf16 widens exactly
         h = F.rms_norm(x, (x.shape[-1],), self.input_norm, cfg.rms_norm_eps)
-        qkv = self._linear(h, "qkv_weight", self.qkv_bias)
+        qkv = self._linear(h, "qkv_weight", self.qkv_bias, amx=amx)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
@@ -227,10 +230,10 @@ class DecoderLayer(nn.Module):
             attn = paged_attention(q, k_cache, v_cache, plan)
         else:  # another backend (model/attention_backends.py)
             attn = plan.attend(q, k_cache, v_cache)
-        x = x + self._linear(attn.reshape(t, self.q_size), "o_weight")
+        x = x + self._linear(attn.reshape(t, self.q_size), "o_weight", amx=amx)
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, cfg.rms_norm_eps)
-        gate, up = self._linear(h, "gate_up_weight").chunk(2, dim=-1)
-        return x + self._linear(F.silu(gate) * up, "down_weight")
+        gate, up = self._linear(h, "gate_up_weight", amx=amx).chunk(2, dim=-1)
+        return x + self._linear(F.silu(gate) * up, "down_weight", amx=amx)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -380,8 +383,11 @@ class LlamaForCausalLM(nn.Module):
                                             prefill_dtype=self.prefill_attention_dtype)
         cos, sin = self.rope.lookup(batch.positions)
         x = F.embedding(batch.input_ids, self.embed).float()
+        # The AMX kernel takes pure-decode steps only: a prompt is multiplied by oneDNN whatever its
+        # length, so its first token does not depend on which kernel a prompt of its size gets.
+        amx = batch.is_pure_decode
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch.slot_mapping, kv_cache.k[i], kv_cache.v[i], plan)
+            x = layer(x, cos, sin, batch.slot_mapping, kv_cache.k[i], kv_cache.v[i], plan, amx=amx)
         # Norm and lm_head only on the rows whose logits are wanted: the vocab GEMM dominates.
         h = x[batch.logits_indices]
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.config.rms_norm_eps)

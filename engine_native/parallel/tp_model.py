@@ -51,8 +51,10 @@ class ParallelDecoderLayer(DecoderLayer):
     tp_group: dist.ProcessGroup | None
 
     def _linear(
-        self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, keep_dtype: bool = False
+        self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, keep_dtype: bool = False,
+        amx: bool = False,
     ) -> torch.Tensor:
+        # `amx` changes nothing here: the TP shards keep no quantized blocks (enable_quantized is off).
         if name in _ROW_PARALLEL and self.tp_group is not None:
             out = super()._linear(x, name, bias)  # the partial sums are added in fp32, never in bf16
             self.clock.all_reduce(out, self.tp_group)

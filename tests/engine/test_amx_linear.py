@@ -69,7 +69,7 @@ def test_bad_shapes_are_refused_not_computed() -> None:
 
 
 @needs_amx
-def test_a_model_step_through_amx_gives_the_dense_steps_logits() -> None:
+def test_a_decode_step_through_amx_gives_the_dense_steps_logits_and_prompts_stay_dense() -> None:
     loaded = load_model(bundled_model_path(), dtype=torch.bfloat16, progress=False)
     model = loaded.model
 
@@ -77,14 +77,14 @@ def test_a_model_step_through_amx_gives_the_dense_steps_logits() -> None:
         assert model.enable_quantized(8, amx_max_rows) == 4 * loaded.config.num_layers + 1
         assert bool(model.layers[0].amx) == (amx_max_rows > 0)
         seqs = PagedSequences(loaded.config, num_blocks=128, block_size=16, dtype=torch.bfloat16, seed=3)
-        prompts = [list(range(100 + 7 * i, 137 + 7 * i)) for i in range(12)]  # 12 x 37 tokens: one 444-row step
+        prompts = [list(range(100 + 7 * i, 105 + 7 * i)) for i in range(12)]  # 12 x 5 tokens: one 60-row step
         prefill = model.forward(seqs.step([(i, p) for i, p in enumerate(prompts)]), seqs.cache)
         decode = model.forward(seqs.step([(i, [300 + i]) for i in range(len(prompts))]), seqs.cache)  # 12 rows
         return [prefill, decode]
 
     dense = logits(0)
     amx = logits(64)
-    # The 444-row prefill is past amx_max_rows: dense both times, the same K/V for the decode.
+    # A prompt step stays on oneDNN within amx_max_rows too: the same logits, the same K/V for the decode.
     assert torch.equal(dense[0], amx[0])
     torch.testing.assert_close(amx[1], dense[1], atol=0.1, rtol=0.02)
     assert torch.equal(amx[1].argmax(-1), dense[1].argmax(-1))
