@@ -140,9 +140,10 @@ class EngineConfig:
     # (model/quant.py: the same weight values, 4-8x fewer bytes read than fp32) instead of the dense
     # weights; bigger steps are compute-bound and use the dense GEMM. 0 turns it off.
     quantized_max_rows: int = 8
-    # Steps of more tokens, up to this many, multiply by the Q4_1 blocks through AMX where the CPU has
-    # AMX-BF16 (kernels/amx_linear.cpp): the dense path's very bf16 weights, dequantized from 0.625
-    # bytes a weight instead of read at 2. Bigger steps are compute-bound: oneDNN is faster. 0 turns it off.
+    # Pure-decode steps of more sequences, up to this many, multiply by the Q4_1 blocks through AMX where
+    # the CPU has AMX-BF16 (kernels/amx_linear.cpp): the dense path's very bf16 weights, dequantized from
+    # 0.625 bytes a weight instead of read at 2. Bigger steps are compute-bound: oneDNN is as fast. Prompts
+    # stay on oneDNN. 0 turns it off.
     amx_max_rows: int = 64
     # Keep the dense bf16 weights in oneDNN's blocked layout (model/llama.py pack_dense) where the CPU
     # computes bf16 natively: the same results, without re-laying a weight out at every GEMM.

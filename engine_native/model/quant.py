@@ -5,8 +5,8 @@ quantized to. A step of at most `EngineConfig.quantized_max_rows` tokens multipl
 (reading 4-8x fewer bytes than fp32); a bigger step uses the dense GEMM, which is faster once the
 step is compute-bound. Both paths use the same fp32 weight values (the kernel dequantizes in
 registers exactly as gguf does at load), so a request's output does not depend on which path its
-step took beyond the order of additions. With bf16 dense weights on a CPU with AMX-BF16, steps of up
-to `EngineConfig.amx_max_rows` tokens multiply by the Q4_1 blocks through AMX (`amx_linear`), which
+step took beyond the order of additions. With bf16 dense weights on a CPU with AMX-BF16, pure-decode
+steps of up to `EngineConfig.amx_max_rows` sequences multiply by the Q4_1 blocks through AMX (`amx_linear`), which
 dequantizes them to the dense path's very bf16 values and rounds its output as the dense GEMM does.
 
     Q4_1 block of 32 weights: fp16 d, fp16 m, 16 bytes of nibbles -> w = d * q + m, q in 0..15
