@@ -27,6 +27,8 @@
 
 #include <vector>
 
+#include "simd.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define SLUICE_HAVE_AMX 1
 #endif
@@ -194,10 +196,7 @@ torch::Tensor amx_q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d
   TORCH_CHECK(amx_q4_1_available(), "AMX-BF16 is not available on this CPU or build");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous bfloat16 [M, K] tensor");
-  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 16 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous(),
-              "qs must be a contiguous uint8 [N, K/32, 16] tensor");
-  TORCH_CHECK(dm.dim() == 3 && dm.size(2) == 2 && dm.scalar_type() == torch::kFloat32 && dm.is_contiguous(),
-              "dm must be a contiguous float32 [N, K/32, 2] tensor");
+  check_q4_1_blocks(qs, dm);
   const int64_t n = qs.size(0), k = qs.size(1) * kBlock, m = x.size(0);
   TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight ", k);
   TORCH_CHECK(n % (2 * kTile) == 0, "the weight's rows (", n, ") must be a multiple of 32");

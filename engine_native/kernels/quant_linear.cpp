@@ -126,6 +126,13 @@ void quant_matmul(QuantFormat format, const float* x, int64_t m, int64_t k, cons
   }
 }
 
+void check_q4_1_blocks(const torch::Tensor& qs, const torch::Tensor& dm) {
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 16 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous(),
+              "qs must be a contiguous uint8 [N, K/32, 16] tensor");
+  TORCH_CHECK(dm.dim() == 3 && dm.size(2) == 2 && dm.scalar_type() == torch::kFloat32 && dm.is_contiguous(),
+              "dm must be a contiguous float32 [N, K/32, 2] tensor");
+}
+
 namespace {
 
 void check_x(const torch::Tensor& x, int64_t k) {
@@ -135,10 +142,7 @@ void check_x(const torch::Tensor& x, int64_t k) {
 }
 
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 16 && qs.scalar_type() == torch::kUInt8 && qs.is_contiguous(),
-              "qs must be a contiguous uint8 [N, K/32, 16] tensor");
-  TORCH_CHECK(dm.dim() == 3 && dm.size(2) == 2 && dm.scalar_type() == torch::kFloat32 && dm.is_contiguous(),
-              "dm must be a contiguous float32 [N, K/32, 2] tensor");
+  check_q4_1_blocks(qs, dm);
   const int64_t n = qs.size(0), k = qs.size(1) * kBlock;
   check_x(x, k);
   auto out = torch::empty({x.size(0), n}, x.options());

@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <cstring>
 
+namespace at {
+class Tensor;
+}
+
 namespace sluice {
 
 inline float hsum(__m256 v) {
@@ -71,6 +75,9 @@ enum class QuantFormat : int64_t { Q4_1 = 0, Q8_0 = 1 };
 // out [m, n] = x [m, k] @ W^T, W [n, k] in `format`; rows of W split across ATen's threads.
 void quant_matmul(QuantFormat format, const float* x, int64_t m, int64_t k, const void* qs, const float* scales,
                   int64_t n, float* out);
+
+// Refuses (TORCH_CHECK) anything but a Q4_1 weight's blocks in the layout quant_linear.cpp describes.
+void check_q4_1_blocks(const at::Tensor& qs, const at::Tensor& dm);
 
 // Attention of one query token per sequence over the paged fp32 cache (see paged_attention.cpp).
 void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* k_cache, const float* v_cache,

@@ -279,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
         matrices that will; 0 where the kernels cannot run here."""
         if max_rows <= 0 or not kernels_available():
             max_rows = 0
-        if not (amx_max_rows > 0 and self.dtype == torch.bfloat16 and kernels_available() and amx_available()):
+        if not (amx_max_rows > 0 and self.dtype == torch.bfloat16 and amx_available()):
             amx_max_rows = 0
         self.quantized_max_rows = max_rows
         self.lm_head_quantized = self._lm_head_available if max_rows else None
