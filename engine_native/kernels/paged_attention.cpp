@@ -90,6 +90,35 @@ inline void prefetch_row(const KV* row, int64_t from, int64_t to) {
 // sequence and the g query heads of each; `rows[t]` is token t's row of the cache (all KV heads, each
 // d elements), d % 16 == 0. Rows are read whole, in token order, with the next group's asked for ahead:
 // the blocks are scattered over the pool and a row is read from memory, not cache.
+// Up to three query heads of one KV head against eight keys: each 16-lane chunk of a key is widened to fp32
+// once and multiplied by every head's query chunk (24 accumulators, 3 query chunks and the key chunk fit
+// the 32 registers). Each accumulator sums the same products in the same order as one head at a time.
+template <typename KV, int G>
+inline void score_heads(const float* q, const KV* const* k, int64_t nv, float scale, int64_t len, int64_t n,
+                        float* scores) {
+  __m512 acc[G][8];
+  for (int j = 0; j < G; ++j)
+    for (int i = 0; i < 8; ++i) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < nv; ++c) {
+    __m512 qc[G];
+    for (int j = 0; j < G; ++j) qc[j] = _mm512_loadu_ps(q + j * nv * 16 + c * 16);
+    for (int i = 0; i < 8; ++i) {
+      const __m512 kc = load16(k[i] + c * 16);
+      for (int j = 0; j < G; ++j) acc[j][i] = _mm512_fmadd_ps(qc[j], kc, acc[j][i]);
+    }
+  }
+  for (int j = 0; j < G; ++j) {
+    const __m256 s = _mm256_mul_ps(reduce8(acc[j]), _mm256_set1_ps(scale));
+    if (n == 8) {
+      _mm256_storeu_ps(scores + j * len, s);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, s);
+      std::copy(tmp, tmp + n, scores + j * len);
+    }
+  }
+}
+
 template <typename KV>
 void decode_scores(const float* q, int64_t kv0, int64_t kv1, int64_t g, int64_t d, const KV* const* rows,
                    int64_t len, float scale, float* scores) {
@@ -100,20 +129,13 @@ void decode_scores(const float* q, int64_t kv0, int64_t kv1, int64_t g, int64_t 
     for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
       const KV* k[8];
       for (int64_t i = 0; i < 8; ++i) k[i] = rows[t0 + std::min(i, n - 1)] + kvh * d;  // a short tail repeats its last key
-      for (int64_t j = kvh * g; j < (kvh + 1) * g; ++j) {
-        __m512 acc[8];
-        for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nv; ++c) {
-          const __m512 qc = _mm512_loadu_ps(q + j * d + c * 16);
-          for (int i = 0; i < 8; ++i) acc[i] = _mm512_fmadd_ps(qc, load16(k[i] + c * 16), acc[i]);
-        }
-        const __m256 s = _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale));
-        if (n == 8) {
-          _mm256_storeu_ps(scores + j * len + t0, s);
-        } else {
-          alignas(32) float tmp[8];
-          _mm256_store_ps(tmp, s);
-          std::copy(tmp, tmp + n, scores + j * len + t0);
+      for (int64_t j = kvh * g; j < (kvh + 1) * g; j += 3) {
+        const float* qj = q + j * d;
+        float* sj = scores + j * len + t0;
+        switch (std::min<int64_t>(3, (kvh + 1) * g - j)) {
+          case 1: score_heads<KV, 1>(qj, k, nv, scale, len, n, sj); break;
+          case 2: score_heads<KV, 2>(qj, k, nv, scale, len, n, sj); break;
+          default: score_heads<KV, 3>(qj, k, nv, scale, len, n, sj); break;
         }
       }
     }
