@@ -37,8 +37,18 @@ inline void rotate(float* x, int64_t heads, int64_t d, const float* cos, const f
 
 // out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i], length n (a multiple of 8).
 inline void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  // 16 lanes at a time, the same operations lane by lane as the 8-lane loop below: the same values.
+  const __m512 one16 = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 e = exp16_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one16, e)), _mm512_loadu_ps(up + i)));
+  }
+#endif
   const __m256 one = _mm256_set1_ps(1.0f);
-  for (int64_t i = 0; i < n; i += 8) {
+  for (; i < n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
     const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));

@@ -50,6 +50,32 @@ inline __m256 exp_ps(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(_mm256_mul_ps(p, a), b));
 }
 
+#ifdef __AVX512F__
+// exp_ps on 16 floats: the same operations lane by lane, so the same values.
+inline __m512 exp16_ps(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i ni = _mm512_cvtps_epi32(n);
+  const __m512i half = _mm512_srai_epi32(ni, 1);
+  const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
+  const __m512 b = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), _mm512_mul_ps(p, a), b);
+}
+#endif
+
 // Dot product of two fp32 vectors of length d (a multiple of 8).
 inline float dot(const float* a, const float* b, int64_t d) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -118,8 +144,28 @@ inline __m256 from_bf16x8(const uint16_t* src) {
 }
 
 inline void store_row(float* dst, const float* src, int64_t n) { std::copy(src, src + n, dst); }
+#ifdef __AVX512F__
+// to_bf16x8 and from_bf16x8 on 16 lanes: the same integer operations, so the same bits.
+inline __m256i to_bf16x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __m512 from_bf16x16(const uint16_t* src) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
 inline void store_row(uint16_t* dst, const float* src, int64_t n) {
   int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), to_bf16x16(_mm512_loadu_ps(src + i)));
+#endif
   for (; i + 8 <= n; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), to_bf16x8(_mm256_loadu_ps(src + i)));
   for (; i < n; ++i) dst[i] = to_bf16(src[i]);
@@ -127,7 +173,11 @@ inline void store_row(uint16_t* dst, const float* src, int64_t n) {
 
 // A row of bf16 (its bits) or fp32 as fp32, into dst; n a multiple of 8.
 inline void load_row(float* dst, const uint16_t* src, int64_t n) {
-  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, from_bf16x8(src + i));
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, from_bf16x16(src + i));
+#endif
+  for (; i < n; i += 8) _mm256_storeu_ps(dst + i, from_bf16x8(src + i));
 }
 inline void load_row(float* dst, const float* src, int64_t n) { std::copy(src, src + n, dst); }
 
