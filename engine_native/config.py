@@ -120,7 +120,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-PREFILL_ATTENTION_DTYPES = ("float32", "kv")
+PREFILL_ATTENTION_DTYPES = ("float32", "float32-sdpa", "kv")
 
 
 @dataclass(frozen=True)
@@ -157,10 +157,13 @@ class EngineConfig:
     # Attention over the paged cache (model/attention_backends.py): "auto" is the native CPU path on CPU,
     # FlashInfer on CUDA when importable, else "sdpa" (torch SDPA over gathered blocks, which runs anywhere).
     attention_backend: str = "auto"
-    # What the native path's prefill attention computes in: "float32" (q, K and V widened; as the decode
-    # kernel computes, so a request recomputed after preemption or failover keeps its greedy tokens), or
-    # "kv", the KV cache's dtype: with a bf16 cache ~2x faster where the CPU has AMX, q and the softmax
-    # probabilities rounded to bf16 (a recomputed request's greedy tokens may then differ).
+    # What the native path's prefill attention computes in: "float32" (as the decode kernel computes, so a
+    # request recomputed after preemption or failover keeps its greedy tokens): with a bf16 cache on a CPU
+    # with AMX through Sluice's split-bf16 kernel (kernels/amx_attention.cpp: q and the probabilities as two
+    # bf16 parts each, within 2^-17 of fp32; 2-3x faster), elsewhere PyTorch's fp32 SDPA; "float32-sdpa",
+    # PyTorch's fp32 SDPA everywhere; or "kv", the KV cache's dtype: with a bf16 cache ~2x faster than SDPA
+    # in fp32 where the CPU has AMX, q and the softmax probabilities rounded to bf16 (a recomputed request's
+    # greedy tokens may then differ).
     prefill_attention_dtype: str = "float32"  # one of PREFILL_ATTENTION_DTYPES
     # CUDA only (cuda_graphs.py): pure-decode steps replay CUDA graphs captured for these batch sizes,
     # padded up to the next one; empty: no graphs. Contexts beyond cuda_graph_max_context run eagerly.

@@ -43,6 +43,14 @@ class DeviceForward:
     def prefill_attention_dtype(self, dtype: torch.dtype) -> None:
         self.model.prefill_attention_dtype = dtype
 
+    @property
+    def prefill_attention_amx(self) -> bool:
+        return self.model.prefill_attention_amx
+
+    @prefill_attention_amx.setter
+    def prefill_attention_amx(self, on: bool) -> None:
+        self.model.prefill_attention_amx = on
+
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)

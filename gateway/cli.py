@@ -115,10 +115,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         "installed, else sdpa"
     )
     p.add_argument(
-        "--prefill-attention-dtype", default=None, choices=["float32", "kv"],
+        "--prefill-attention-dtype", default=None, choices=["float32", "float32-sdpa", "kv"],
         help="what the native CPU path's prefill attention computes in; default float32 (as decodes compute: "
-        "a recomputed request keeps its greedy tokens); kv: the KV cache's dtype, with a bf16 cache ~2x "
-        "faster on AMX CPUs, q and the softmax probabilities rounded to bf16 (docs/engine.md, Numerics)"
+        "a recomputed request keeps its greedy tokens; on AMX CPUs with a bf16 cache Sluice's split-bf16 "
+        "kernel, within 2^-17 of fp32); float32-sdpa: PyTorch's fp32 SDPA everywhere; kv: the KV cache's "
+        "dtype, q and the softmax probabilities rounded to bf16 (docs/engine.md, Numerics)"
     )
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="cap on sequences running in one engine step; default: the engine's")

@@ -27,46 +27,28 @@
 
 #include <vector>
 
+#include "amx.h"
 #include "simd.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define SLUICE_HAVE_AMX 1
-#endif
-
 namespace sluice {
+
+// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); oneDNN asks too, once is enough for every thread.
+bool amx_permitted() {
+#ifdef SLUICE_HAVE_AMX
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
+
 namespace {
 
 constexpr int64_t kBlock = 32;  // weights per Q4_1 block = k per tile row
 constexpr int64_t kTile = 16;   // rows of a tile: 16 features (A), 16 k-pairs (B), 16 features (C)
 
 #ifdef SLUICE_HAVE_AMX
-
-// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); oneDNN asks too, once is enough for every thread.
-bool amx_permitted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Tiles 0, 1: W rows f..f+15, f+16..f+31; 2, 3: x rows t..t+15, t+16..t+31 (pair-interleaved);
-// 4 + 2i + j: C for W tile i and x tile j. All 16 rows of 64 bytes.
-void configure_tiles() {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = kTile;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // One Q4_1 block -> its 32 weights as bf16, in element order.
 inline void dequantize_block(const uint8_t* qs, float d, float m, uint16_t* dst) {
@@ -183,13 +165,7 @@ void amx_q4_1_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qs,
 
 #endif  // SLUICE_HAVE_AMX
 
-bool amx_q4_1_available() {
-#ifdef SLUICE_HAVE_AMX
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
+bool amx_q4_1_available() { return amx_permitted(); }
 
 // x [M, K] bf16 @ Q4_1 weight [N, K]^T -> [M, N] bf16 (out_bf16) or float32. N must be a multiple of 32.
 torch::Tensor amx_q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm, bool out_bf16) {

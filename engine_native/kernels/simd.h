@@ -67,12 +67,8 @@ inline __m512 exp16_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i ni = _mm512_cvtps_epi32(n);
-  const __m512i half = _mm512_srai_epi32(ni, 1);
-  const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
-  const __m512 b = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), _mm512_mul_ps(p, a), b);
+  // p * 2^n in one exact scaling (p * 2^a * 2^b above: the same value, e^x being normal on [-87, 88]).
+  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~underflow), p, n);
 }
 #endif
 

@@ -8,9 +8,11 @@ for every layer); `paged_attention` runs one layer with it:
     sequence's block table in place; otherwise their blocks are gathered to
     [B, L_max, Hkv, D] and a length mask hides the padding;
   * each prefill chunk attends to its cached context plus its own tokens
-    causally, one SDPA call per sequence (chunks are few and long); the sdpa
-    backend (attention_backends.py) runs its chunks through the same
-    `prefill_chunks` / `prefill_chunk_attention`.
+    causally: with a bf16 cache on a CPU with AMX, every chunk of the step in
+    ONE call of Sluice's split-bf16 kernel (kernels/amx_attention.cpp, about
+    fp32's accuracy); otherwise one SDPA call per sequence (chunks are few and
+    long). The sdpa backend (attention_backends.py) runs its chunks through the
+    same `prefill_chunks` / `prefill_chunk_attention`.
 
 New K/V are written to the cache before attention, so "cached context" and "new
 tokens" are read the same way, through the block table.
@@ -56,6 +58,39 @@ def prefill_chunks(batch: ForwardBatch, device: torch.device | None = None) -> l
     return chunks
 
 
+def amx_prefill_fits(k_cache: torch.Tensor) -> bool:
+    """Whether the prefill chunks' fp32 attention over this layer's cache can run in the AMX kernel: a bf16
+    cache on the CPU, a head_dim that is a multiple of 32, and a CPU (and build) with AMX-BF16."""
+    if k_cache.device.type != "cpu" or k_cache.dtype != torch.bfloat16 or k_cache.shape[-1] % 32 != 0:
+        return False
+    kernels = cpu_kernels()
+    return kernels is not None and bool(kernels.amx_prefill_attention_available())
+
+
+@dataclass
+class PrefillKernelArgs:
+    """The step's prefill chunks as the AMX kernel takes them, built once per forward."""
+
+    starts: torch.Tensor  # [C] int64: each chunk's first row in the step's T tokens
+    query_lens: torch.Tensor  # [C] int64
+    context_lens: torch.Tensor  # [C] int64: its own tokens included
+    block_tables: torch.Tensor  # [C, max_blocks] int64
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch) -> PrefillKernelArgs | None:
+        seqs = [i for i, q in enumerate(batch.query_lens) if q > 1]
+        if not seqs:
+            return None
+        bs = batch.block_size
+        nb_max = max(-(-batch.context_lens[i] // bs) for i in seqs)
+        return cls(
+            torch.tensor([batch.query_starts[i] for i in seqs], dtype=torch.long),
+            torch.tensor([batch.query_lens[i] for i in seqs], dtype=torch.long),
+            torch.tensor([batch.context_lens[i] for i in seqs], dtype=torch.long),
+            batch.block_tables[torch.tensor(seqs, dtype=torch.long), :nb_max].contiguous(),
+        )
+
+
 @dataclass
 class AttentionPlan:
     num_tokens: int
@@ -69,18 +104,24 @@ class AttentionPlan:
     decodes_are_whole_batch: bool  # the step is pure decode in order: no scatter needed
     prefills: list[PrefillChunk]
     prefill_dtype: torch.dtype  # what the prefill chunks' attention computes in
+    prefill_kernel: PrefillKernelArgs | None = None  # set: the prefill chunks go to the AMX kernel
 
     @classmethod
     def from_batch(
-        cls, batch: ForwardBatch, decode_kernel: bool = False, prefill_dtype: torch.dtype = torch.float32
+        cls, batch: ForwardBatch, decode_kernel: bool = False, prefill_dtype: torch.dtype = torch.float32,
+        prefill_kernel: bool = False,
     ) -> AttentionPlan:
         """`decode_kernel`: the decodes will run in the C++ kernel, which needs no mask.
-        `prefill_dtype`: see `EngineConfig.prefill_attention_dtype`."""
+        `prefill_dtype`: see `EngineConfig.prefill_attention_dtype`. `prefill_kernel`: fp32 prefill chunks
+        run in the AMX kernel (the caller checked `amx_prefill_fits`)."""
         bs = batch.block_size
         decode_seqs = [i for i, q in enumerate(batch.query_lens) if q == 1]
         prefills = prefill_chunks(batch)
+        kernel_args = (
+            PrefillKernelArgs.from_batch(batch) if prefill_kernel and prefill_dtype == torch.float32 else None
+        )
         if not decode_seqs:
-            return cls(batch.num_tokens, bs, None, None, None, None, None, False, prefills, prefill_dtype)
+            return cls(batch.num_tokens, bs, None, None, None, None, None, False, prefills, prefill_dtype, kernel_args)
         ctx_lens = torch.tensor([batch.context_lens[i] for i in decode_seqs], dtype=torch.long)
         nb_max = -(-int(ctx_lens.max()) // bs)
         seq_index = torch.tensor(decode_seqs, dtype=torch.long)
@@ -88,7 +129,8 @@ class AttentionPlan:
         token_index = torch.tensor([batch.query_starts[i] for i in decode_seqs], dtype=torch.long)
         whole = not prefills and len(decode_seqs) == batch.num_tokens  # decodes only: T == B, in order
         if decode_kernel:
-            return cls(batch.num_tokens, bs, token_index, tables, ctx_lens, None, None, whole, prefills, prefill_dtype)
+            return cls(batch.num_tokens, bs, token_index, tables, ctx_lens, None, None, whole, prefills, prefill_dtype,
+                       kernel_args)
         key_pos = torch.arange(nb_max * bs)
         mask = (key_pos.unsqueeze(0) < ctx_lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, -1)
         bias = (
@@ -96,7 +138,8 @@ class AttentionPlan:
             .masked_fill_(~mask, float("-inf"))
             .view(len(decode_seqs), 1, -1)
         )
-        return cls(batch.num_tokens, bs, token_index, tables, ctx_lens, mask, bias, whole, prefills, prefill_dtype)
+        return cls(batch.num_tokens, bs, token_index, tables, ctx_lens, mask, bias, whole, prefills, prefill_dtype,
+                   kernel_args)
 
 
 def write_kv(
@@ -117,6 +160,13 @@ def paged_attention(
     out = torch.empty_like(q)
     if plan.decode_token_index is not None:
         out[plan.decode_token_index] = _decode_attention(q[plan.decode_token_index], k_cache, v_cache, plan)
+    args = plan.prefill_kernel
+    if args is not None and q.dtype == torch.float32 and q.is_contiguous():
+        kernels = cpu_kernels()
+        assert kernels is not None
+        kernels.amx_prefill_attention(q, k_cache, v_cache, args.starts, args.query_lens, args.context_lens,
+                                      args.block_tables, q.shape[-1] ** -0.5, out)
+        return out
     for chunk in plan.prefills:
         # fp32 by default, as the decode kernel computes: a request recomputed after preemption or
         # failover then continues with the same greedy tokens. In a bf16 cache's dtype it is ~2x faster

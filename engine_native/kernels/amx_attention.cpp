@@ -1,0 +1,281 @@
+// The prefill chunks' attention over a bf16 paged KV cache through AMX, at about the accuracy of the fp32
+// attention it replaces (model/attention.py's prefill path; the decode kernel computes in fp32 too).
+//
+// AMX multiplies bf16 by bf16 into fp32. K and V are bf16 already (the cache); the two fp32 operands are
+// each split in two bf16 parts, x = hi + lo with hi = bf16(x), lo = bf16(x - hi), and both parts are
+// multiplied: q.k = q_hi.k + q_lo.k and p.v = p_hi.v + p_lo.v, every product exact, the sums in fp32. hi + lo
+// keeps 16 of fp32's 24 significant bits (relative error <= 2^-17 against 2^-9 for bf16 alone), so a
+// score or an output moves by about what another order of fp32 additions would move it; the cost is
+// twice the tile products, still several times faster than fp32 FMAs on these cores.
+//
+// Per chunk and KV head the context's keys are first laid out as AMX B operands (pairs of head-dim
+// elements, 16 keys a tile) and the values likewise (pairs of keys, 16 columns a tile), once for all the
+// query heads that share them. Then each task takes 16 query rows of one head: scores against the keys
+// they may see (causal: a tile of queries stops at its last row's position, so a prompt costs about half
+// its full square), an exact softmax over the whole row (the max first, then e^(s - max) with the same
+// polynomial as the other kernels), the unnormalised probabilities times V, and a division by their sum.
+//
+// Built where the compiler targets AMX-BF16 (amx.h); elsewhere `amx_prefill_attention_available()` is
+// false and the caller keeps PyTorch's fp32 attention.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "amx.h"
+#include "simd.h"
+
+namespace sluice {
+namespace {
+
+#ifdef SLUICE_HAVE_AMX
+
+constexpr int64_t kRows = kTileRows;  // 16 query rows, 16 keys or 16 key pairs per tile
+constexpr int64_t kKeys = 32;         // keys per P tile row (32 bf16 = 64 bytes)
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+inline __m512 widen(__m256bh h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16));
+}
+
+// 16 floats -> three bf16 parts whose sum is x (8 + 8 + 8 significant bits: exact for every normal x whose
+// parts stay normal): hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid).
+inline void split16(__m512 x, uint16_t* hi, uint16_t* mid, uint16_t* lo) {
+  const __m256bh h = _mm512_cvtneps_pbh(x);
+  const __m512 r = _mm512_sub_ps(x, widen(h));
+  const __m256bh m = _mm512_cvtneps_pbh(r);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), reinterpret_cast<__m256i>(h));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(mid), reinterpret_cast<__m256i>(m));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(r, widen(m)))));
+}
+
+struct Chunk {
+  int64_t start, qlen, ctx;
+  const int64_t* table;
+  int64_t packed;  // offset of its first KV head's packed keys (and values) in the scratch, in dwords
+};
+
+// Keys [0, ctx) of one KV head -> B tiles of Q.K^T: for each 16 keys and each 32 head-dim elements, a
+// tile whose row r holds, for each of the 16 keys, the pair (k[2r], k[2r+1]) of that 32. Keys past ctx are 0.
+void pack_keys(const uint32_t* cache, int64_t bs, int64_t hkv, int64_t d, int64_t kvh, const Chunk& c, uint32_t* out) {
+  const int64_t halves = d / 32, lpad = round_up(c.ctx, kKeys), row = hkv * d / 2;
+  for (int64_t n = 0; n < lpad; ++n) {
+    uint32_t* tile = out + (n / kRows) * halves * kRows * kRows + n % kRows;
+    if (n >= c.ctx) {
+      for (int64_t p = 0; p < d / 2; ++p) tile[(p / kRows) * kRows * kRows + (p % kRows) * kRows] = 0;
+      continue;
+    }
+    const uint32_t* src = cache + (c.table[n / bs] * bs + n % bs) * row + kvh * d / 2;
+    for (int64_t p = 0; p < d / 2; ++p) tile[(p / kRows) * kRows * kRows + (p % kRows) * kRows] = src[p];
+  }
+}
+
+// Values [0, ctx) of one KV head -> B tiles of P.V: for each 32 keys and each 16 head-dim columns, a tile
+// whose row r holds, for each column, the pair (v[2r][col], v[2r+1][col]). Keys past ctx are 0.
+void pack_values(const uint16_t* cache, int64_t bs, int64_t hkv, int64_t d, int64_t kvh, const Chunk& c, uint32_t* out) {
+  const int64_t cols = d / kRows, lpad = round_up(c.ctx, kKeys), row = hkv * d;
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t n = 0; n < lpad; n += 2) {
+    const uint16_t* a = n < c.ctx ? cache + (c.table[n / bs] * bs + n % bs) * row + kvh * d : nullptr;
+    const uint16_t* b = n + 1 < c.ctx ? cache + (c.table[(n + 1) / bs] * bs + (n + 1) % bs) * row + kvh * d : nullptr;
+    uint32_t* tiles = out + (n / kKeys) * cols * kRows * kRows + ((n % kKeys) / 2) * kRows;
+    for (int64_t col = 0; col < cols; ++col) {
+      const __m512i va = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + col * kRows))) : zero;
+      const __m512i vb = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + col * kRows))) : zero;
+      _mm512_storeu_si512(tiles + col * kRows * kRows, _mm512_or_si512(va, _mm512_slli_epi32(vb, 16)));
+    }
+  }
+}
+
+// One task: query rows [r0, r0 + 16) of head h in chunk c -> out.
+void attend_rows(const float* q, int64_t h_total, int64_t d, int64_t h, int64_t r0, const Chunk& c,
+                 const uint32_t* keys, const uint32_t* values, float scale, float* out, std::vector<uint16_t>& qs,
+                 std::vector<float>& scores, std::vector<uint16_t>& probs) {
+  const int64_t rows = std::min(kRows, c.qlen - r0);
+  const int64_t first_pos = c.ctx - c.qlen + r0;       // position of row 0; row m sees keys [0, first_pos + m]
+  const int64_t seen = first_pos + rows;               // keys any row sees
+  const int64_t lpad = round_up(seen, kKeys), halves = d / 32, cols = d / kRows;
+  // q rows as three bf16 parts: [3][16][d], rows past the chunk 0.
+  qs.assign(static_cast<size_t>(3 * kRows * d), 0);
+  uint16_t *q_hi = qs.data(), *q_mid = q_hi + kRows * d, *q_lo = q_mid + kRows * d;
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* src = q + ((c.start + r0 + m) * h_total + h) * d;
+    for (int64_t i = 0; i < d; i += 16)
+      split16(_mm512_loadu_ps(src + i), q_hi + m * d + i, q_mid + m * d + i, q_lo + m * d + i);
+  }
+  // Scores [16][lpad]: sum over the head-dim halves of q_hi.k + q_lo.k, 32 keys (two C tiles, 0 and 4, so
+  // that one's products overlap the other's) at a time.
+  scores.resize(static_cast<size_t>(kRows * lpad));
+  for (int64_t n0 = 0; n0 < lpad; n0 += kKeys) {
+    _tile_zero(0);
+    _tile_zero(4);
+    const uint32_t* kt = keys + (n0 / kRows) * halves * kRows * kRows;
+    for (int64_t hf = 0; hf < halves; ++hf) {
+      _tile_loadd(1, q_hi + hf * 32, d * 2);
+      _tile_loadd(2, q_mid + hf * 32, d * 2);
+      _tile_loadd(6, q_lo + hf * 32, d * 2);
+      _tile_loadd(3, kt + hf * kRows * kRows, 64);
+      _tile_loadd(5, kt + (halves + hf) * kRows * kRows, 64);
+      _tile_dpbf16ps(0, 1, 3);
+      _tile_dpbf16ps(4, 1, 5);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(4, 2, 5);
+      _tile_dpbf16ps(0, 6, 3);
+      _tile_dpbf16ps(4, 6, 5);
+    }
+    _tile_stored(0, scores.data() + n0, lpad * 4);
+    _tile_stored(4, scores.data() + n0 + kRows, lpad * 4);
+  }
+  // Softmax numerators as three bf16 parts: [3][16][lpad]; 0 past each row's last visible key. The max is
+  // taken over the raw scores (scale > 0: the same key wins), then e^(s * scale - max * scale).
+  probs.resize(static_cast<size_t>(3 * kRows * lpad));
+  uint16_t *p_hi = probs.data(), *p_mid = p_hi + kRows * lpad, *p_lo = p_mid + kRows * lpad;
+  alignas(64) float sums[kRows] = {};
+  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  for (int64_t m = 0; m < kRows; ++m) {
+    const int64_t len = m < rows ? first_pos + m + 1 : 0, len16 = round_up(len, 16);
+    const float* s = scores.data() + m * lpad;
+    __m512 vmax = ninf;
+    for (int64_t t = 0; t < len; t += 16) {
+      const __mmask16 live = t + 16 <= len ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
+      vmax = _mm512_mask_max_ps(vmax, live, vmax, _mm512_loadu_ps(s + t));
+    }
+    const __m512 mx = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(vmax)), vscale);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+      const __mmask16 live = t + 16 <= len ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp16_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), vscale, mx)));
+      vsum = _mm512_add_ps(vsum, e);
+      split16(e, p_hi + m * lpad + t, p_mid + m * lpad + t, p_lo + m * lpad + t);
+    }
+    for (uint16_t* part : {p_hi, p_mid, p_lo}) std::fill(part + m * lpad + len16, part + (m + 1) * lpad, 0);
+    sums[m] = _mm512_reduce_add_ps(vsum);
+  }
+  // Output [16][d] = P.V, 16 columns per C tile, four at a time.
+  alignas(64) float o[kRows * kRows];
+  for (int64_t c0 = 0; c0 < cols; c0 += 4) {
+    const int64_t cn = std::min<int64_t>(4, cols - c0);
+    _tile_zero(0);  // tile numbers are immediates: the unused ones are zeroed too, and stay unread
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t n0 = 0; n0 < lpad; n0 += kKeys) {
+      _tile_loadd(4, p_hi + n0, lpad * 2);
+      _tile_loadd(5, p_mid + n0, lpad * 2);
+      _tile_loadd(7, p_lo + n0, lpad * 2);
+      const uint32_t* vt = values + (n0 / kKeys) * cols * kRows * kRows;
+#define SLUICE_PV(J)                                              \
+  if (cn > J) {                                                   \
+    _tile_loadd(6, vt + (c0 + J) * kRows * kRows, 64);            \
+    _tile_dpbf16ps(J, 4, 6);                                      \
+    _tile_dpbf16ps(J, 5, 6);                                      \
+    _tile_dpbf16ps(J, 7, 6);                                      \
+  }
+      SLUICE_PV(0) SLUICE_PV(1) SLUICE_PV(2) SLUICE_PV(3)
+#undef SLUICE_PV
+    }
+    for (int64_t j = 0; j < cn; ++j) {
+      switch (j) {
+        case 0: _tile_stored(0, o, 64); break;
+        case 1: _tile_stored(1, o, 64); break;
+        case 2: _tile_stored(2, o, 64); break;
+        default: _tile_stored(3, o, 64); break;
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        float* dst = out + ((c.start + r0 + m) * h_total + h) * d + (c0 + j) * kRows;
+        _mm512_storeu_ps(dst, _mm512_div_ps(_mm512_load_ps(o + m * kRows), _mm512_set1_ps(sums[m])));
+      }
+    }
+  }
+}
+
+#endif  // SLUICE_HAVE_AMX
+
+bool amx_prefill_attention_available() { return amx_permitted(); }
+
+// q [T, H, D] fp32; k/v_cache [num_blocks, block_size, Hkv, D] bf16; per chunk: its first row in T, its
+// query length, its context length (its own tokens included, already in the cache) and its block table
+// row -> out [T, H, D] fp32, written at the chunks' rows only.
+void amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor starts,
+                           torch::Tensor query_lens, torch::Tensor context_lens, torch::Tensor block_tables,
+                           double scale, torch::Tensor out) {
+  TORCH_CHECK(amx_prefill_attention_available(), "AMX-BF16 is not available on this CPU or build");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous fp32 [T, H, D]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 && out.is_contiguous(), "out: like q");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kBFloat16 && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == torch::kBFloat16 && v_cache.is_contiguous(),
+              "k/v_cache: contiguous bf16 [num_blocks, block_size, Hkv, D]");
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && d % 32 == 0, "head_dim must match the cache and be a multiple of 32");
+  TORCH_CHECK(h % hkv == 0, "query heads must be a multiple of KV heads");
+  for (const auto* v : {&starts, &query_lens, &context_lens})
+    TORCH_CHECK(v->dim() == 1 && v->scalar_type() == torch::kInt64 && v->is_contiguous() && v->size(0) == starts.size(0),
+                "starts, query_lens, context_lens: contiguous int64 [C]");
+  const int64_t nc = starts.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous() &&
+                  block_tables.size(0) == nc, "block_tables: contiguous int64 [C, max_blocks]");
+  const int64_t max_blocks = block_tables.size(1);
+  std::vector<Chunk> chunks(static_cast<size_t>(nc));
+  int64_t packed = 0;
+  for (int64_t i = 0; i < nc; ++i) {
+    Chunk& c = chunks[i];
+    c = {starts.data_ptr<int64_t>()[i], query_lens.data_ptr<int64_t>()[i], context_lens.data_ptr<int64_t>()[i],
+         block_tables.data_ptr<int64_t>() + i * max_blocks, packed};
+    TORCH_CHECK(c.qlen >= 1 && c.ctx >= c.qlen && c.start >= 0 && c.start + c.qlen <= t, "chunk ", i, " out of range");
+    TORCH_CHECK(c.ctx <= max_blocks * bs, "chunk ", i, ": context past its block table");
+    for (int64_t j = 0; j < (c.ctx + bs - 1) / bs; ++j)
+      TORCH_CHECK(c.table[j] >= 0 && c.table[j] < num_blocks, "chunk ", i, ": block id out of the pool");
+    packed += hkv * round_up(c.ctx, 32) * d / 2;
+  }
+#ifdef SLUICE_HAVE_AMX
+  // Keys then values of every (chunk, KV head), each lpad * d / 2 dwords.
+  std::vector<uint32_t> keys(static_cast<size_t>(packed)), values(static_cast<size_t>(packed));
+  const auto* kc = reinterpret_cast<const uint32_t*>(k_cache.data_ptr());
+  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  at::parallel_for(0, nc * hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const Chunk& c = chunks[job / hkv];
+      const int64_t kvh = job % hkv, at = c.packed + kvh * round_up(c.ctx, kKeys) * d / 2;
+      pack_keys(kc, bs, hkv, d, kvh, c, keys.data() + at);
+      pack_values(vc, bs, hkv, d, kvh, c, values.data() + at);
+    }
+  });
+  // Tasks: (chunk, head, 16 query rows).
+  std::vector<int64_t> task_start(static_cast<size_t>(nc + 1), 0);
+  for (int64_t i = 0; i < nc; ++i) task_start[i + 1] = task_start[i] + h * ((chunks[i].qlen + kRows - 1) / kRows);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, task_start[nc], 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    std::vector<uint16_t> qs, probs;
+    std::vector<float> scores;
+    int64_t ci = 0;
+    for (int64_t task = begin; task < end; ++task) {
+      while (task >= task_start[ci + 1]) ++ci;
+      const Chunk& c = chunks[ci];
+      const int64_t local = task - task_start[ci], tiles = (c.qlen + kRows - 1) / kRows;
+      const int64_t head = local / tiles, r0 = (local % tiles) * kRows;
+      const int64_t at = c.packed + (head / (h / hkv)) * round_up(c.ctx, kKeys) * d / 2;
+      attend_rows(qp, h, d, head, r0, c, keys.data() + at, values.data() + at, static_cast<float>(scale), op, qs,
+                  scores, probs);
+    }
+    _tile_release();
+  });
+#endif
+}
+
+}  // namespace
+}  // namespace sluice
+
+void register_amx_attention(pybind11::module& m) {
+  using namespace sluice;
+  m.def("amx_prefill_attention_available", &amx_prefill_attention_available,
+        "whether amx_prefill_attention runs on this CPU and build");
+  m.def("amx_prefill_attention", &amx_prefill_attention,
+        "prefill chunks' causal attention over a bf16 paged cache through AMX, fp32 in and out (split-bf16 operands)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("starts"),
+        pybind11::arg("query_lens"), pybind11::arg("context_lens"), pybind11::arg("block_tables"),
+        pybind11::arg("scale"), pybind11::arg("out"));
+}
