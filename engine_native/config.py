@@ -159,8 +159,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # What the native path's prefill attention computes in: "float32" (as the decode kernel computes, so a
     # request recomputed after preemption or failover keeps its greedy tokens): with a bf16 cache on a CPU
-    # with AMX through Sluice's split-bf16 kernel (kernels/amx_attention.cpp: q and the probabilities as two
-    # bf16 parts each, within 2^-17 of fp32; 2-3x faster), elsewhere PyTorch's fp32 SDPA; "float32-sdpa",
+    # with AMX through Sluice's split-bf16 kernel (kernels/amx_attention.cpp: q and the probabilities as three
+    # bf16 parts each, exact products summed in fp32; 2-3x faster), elsewhere PyTorch's fp32 SDPA; "float32-sdpa",
     # PyTorch's fp32 SDPA everywhere; or "kv", the KV cache's dtype: with a bf16 cache ~2x faster than SDPA
     # in fp32 where the CPU has AMX, q and the softmax probabilities rounded to bf16 (a recomputed request's
     # greedy tokens may then differ).

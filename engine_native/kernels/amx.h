@@ -1,5 +1,6 @@
 // What the AMX kernels (amx_linear.cpp, amx_attention.cpp) share: whether the build has AMX, the OS's
-// permission for the tile state, and the one tile configuration both use.
+// permission for the tile state, the one tile configuration both use, and the 16 x 16 dword transpose both
+// lay their B operands out with.
 #pragma once
 
 #include <cstdint>

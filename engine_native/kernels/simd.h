@@ -1,5 +1,6 @@
-// Small AVX2 helpers shared by Sluice's kernels, and the raw-pointer entry points one kernel file offers
-// another (the fused decode step calls the quantized matmuls and the paged attention directly).
+// Small AVX2 (and, where built with it, AVX-512) helpers shared by Sluice's kernels, and the raw-pointer
+// entry points one kernel file offers another (the fused decode step calls the quantized matmuls and the
+// paged attention directly).
 #pragma once
 
 #include <immintrin.h>
@@ -51,7 +52,7 @@ inline __m256 exp_ps(__m256 x) {
 }
 
 #ifdef __AVX512F__
-// exp_ps on 16 floats: the same operations lane by lane, so the same values.
+// exp_ps on 16 floats, the same values lane by lane (its last step scales by 2^n in one exact operation).
 inline __m512 exp16_ps(__m512 x) {
   const __m512 lo = _mm512_set1_ps(-87.0f);
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
