@@ -29,12 +29,13 @@
 namespace sluice {
 namespace {
 
+constexpr int64_t kKeys = 32;  // keys per P tile row (32 bf16 = 64 bytes); the context is padded to it
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
 #ifdef SLUICE_HAVE_AMX
 
 constexpr int64_t kRows = kTileRows;  // 16 query rows, 16 keys or 16 key pairs per tile
-constexpr int64_t kKeys = 32;         // keys per P tile row (32 bf16 = 64 bytes)
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 inline __m512 widen(__m256bh h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16));
@@ -233,7 +234,7 @@ void amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(c.ctx <= max_blocks * bs, "chunk ", i, ": context past its block table");
     for (int64_t j = 0; j < (c.ctx + bs - 1) / bs; ++j)
       TORCH_CHECK(c.table[j] >= 0 && c.table[j] < num_blocks, "chunk ", i, ": block id out of the pool");
-    packed += hkv * round_up(c.ctx, 32) * d / 2;
+    packed += hkv * round_up(c.ctx, kKeys) * d / 2;
   }
 #ifdef SLUICE_HAVE_AMX
   // Keys then values of every (chunk, KV head), each lpad * d / 2 dwords.

@@ -23,25 +23,27 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative
-// error < 2e-7 there), times 2^n through the exponent bits. x is clamped to [-87, 88]: below, the result
-// is 0 (e^x is under the smallest normal float); above, it saturates near FLT_MAX.
+// The constants of exp_ps and exp16_ps: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
+// polynomial (relative error < 2e-7 there), x clamped to [-87, 88].
+namespace exp_consts {
+constexpr float kLo = -87.0f, kHi = 88.0f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln2 split so that n * kLn2Hi is exact
+constexpr float kPoly[7] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+}  // namespace exp_consts
+
+// e^x for 8 floats, times 2^n through the exponent bits. Below -87 the result is 0 (e^x is under the
+// smallest normal float); above 88 it saturates near FLT_MAX.
 inline __m256 exp_ps(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
+  using namespace exp_consts;
+  const __m256 lo = _mm256_set1_ps(kLo);
   const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln2, with ln2 split in two so that n * ln2_hi is exact.
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(kHi));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kPoly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kPoly[i]));
   // 2^n, split in two factors so that n = 128 (x near 88) does not overflow the exponent field.
   const __m256i ni = _mm256_cvtps_epi32(n);
   const __m256i half = _mm256_srai_epi32(ni, 1);
@@ -52,23 +54,19 @@ inline __m256 exp_ps(__m256 x) {
 }
 
 #ifdef __AVX512F__
-// exp_ps on 16 floats, the same values lane by lane (its last step scales by 2^n in one exact operation).
+// exp_ps on 16 floats, the same values lane by lane (its last step scales by 2^n in one exact operation:
+// p * 2^a * 2^b above is the same value, e^x being normal on [-87, 88]).
 inline __m512 exp16_ps(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
+  using namespace exp_consts;
+  const __m512 lo = _mm512_set1_ps(kLo);
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  // p * 2^n in one exact scaling (p * 2^a * 2^b above: the same value, e^x being normal on [-87, 88]).
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(kHi));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kPoly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kPoly[i]));
   return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~underflow), p, n);
 }
 #endif

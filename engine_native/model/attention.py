@@ -116,10 +116,11 @@ class AttentionPlan:
         run in the AMX kernel (the caller checked `amx_prefill_fits`)."""
         bs = batch.block_size
         decode_seqs = [i for i, q in enumerate(batch.query_lens) if q == 1]
-        prefills = prefill_chunks(batch)
         kernel_args = (
             PrefillKernelArgs.from_batch(batch) if prefill_kernel and prefill_dtype == torch.float32 else None
         )
+        # The kernel takes the chunks whole: no per-chunk masks to build for it.
+        prefills = prefill_chunks(batch) if kernel_args is None else []
         if not decode_seqs:
             return cls(batch.num_tokens, bs, None, None, None, None, None, False, prefills, prefill_dtype, kernel_args)
         ctx_lens = torch.tensor([batch.context_lens[i] for i in decode_seqs], dtype=torch.long)
@@ -127,7 +128,7 @@ class AttentionPlan:
         seq_index = torch.tensor(decode_seqs, dtype=torch.long)
         tables = batch.block_tables[seq_index, :nb_max].contiguous()
         token_index = torch.tensor([batch.query_starts[i] for i in decode_seqs], dtype=torch.long)
-        whole = not prefills and len(decode_seqs) == batch.num_tokens  # decodes only: T == B, in order
+        whole = len(decode_seqs) == batch.num_tokens  # decodes only: T == B, in order
         if decode_kernel:
             return cls(batch.num_tokens, bs, token_index, tables, ctx_lens, None, None, whole, prefills, prefill_dtype,
                        kernel_args)
@@ -161,11 +162,11 @@ def paged_attention(
     if plan.decode_token_index is not None:
         out[plan.decode_token_index] = _decode_attention(q[plan.decode_token_index], k_cache, v_cache, plan)
     args = plan.prefill_kernel
-    if args is not None and q.dtype == torch.float32 and q.is_contiguous():
+    if args is not None:
         kernels = cpu_kernels()
         assert kernels is not None
-        kernels.amx_prefill_attention(q, k_cache, v_cache, args.starts, args.query_lens, args.context_lens,
-                                      args.block_tables, q.shape[-1] ** -0.5, out)
+        kernels.amx_prefill_attention(q.contiguous(), k_cache, v_cache, args.starts, args.query_lens,
+                                      args.context_lens, args.block_tables, q.shape[-1] ** -0.5, out)
         return out
     for chunk in plan.prefills:
         # fp32 by default, as the decode kernel computes: a request recomputed after preemption or

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_native.engine import LLMEngine
 from engine_native.forward_batch import ForwardBatch
 from engine_native.kernels import cpu_kernels
-from engine_native.model.attention import AttentionPlan, amx_prefill_fits
+from engine_native.model.attention import (
+    AttentionPlan,
+    amx_prefill_fits,
+    prefill_chunk_attention,
+    prefill_chunks,
+)
 from engine_native.model.bundled import bundled_model_path
 from engine_native.sampling_params import SamplingParams
 
@@ -40,16 +44,19 @@ def _reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: list
 
 
 def _sdpa_fp32(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: list[Chunk]) -> torch.Tensor:
-    """What the engine computed before the kernel: PyTorch's fp32 SDPA per chunk."""
-    _, _, hkv, d = kc.shape
+    """What the engine computed before the kernel: model/attention.py's PyTorch fp32 SDPA, chunk by chunk."""
+    tables = torch.zeros(len(chunks), max(len(c[3]) for c in chunks), dtype=torch.long)
+    for i, c in enumerate(chunks):
+        tables[i, : len(c[3])] = c[3]
+    batch = ForwardBatch(
+        input_ids=torch.zeros(0, dtype=torch.long), positions=torch.zeros(0, dtype=torch.long),
+        slot_mapping=torch.zeros(0, dtype=torch.long), query_starts=[c[0] for c in chunks],
+        query_lens=[c[1] for c in chunks], context_lens=[c[2] for c in chunks], block_tables=tables,
+        logits_indices=torch.zeros(0, dtype=torch.long), block_size=kc.shape[1],
+    )
     out = torch.zeros_like(q)
-    for start, qlen, ctx, blocks in chunks:
-        k = kc[blocks].reshape(-1, hkv, d)[:ctx].float().transpose(0, 1).unsqueeze(0)
-        v = vc[blocks].reshape(-1, hkv, d)[:ctx].float().transpose(0, 1).unsqueeze(0)
-        mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(ctx - qlen, ctx).unsqueeze(1)
-        o = F.scaled_dot_product_attention(q[start : start + qlen].transpose(0, 1).unsqueeze(0), k, v,
-                                           attn_mask=mask, enable_gqa=True)
-        out[start : start + qlen] = o[0].transpose(0, 1)
+    for chunk in prefill_chunks(batch):
+        out[chunk.start : chunk.start + chunk.query_len] = prefill_chunk_attention(q, kc, vc, chunk, torch.float32)
     return out
 
 
