@@ -33,6 +33,13 @@ constexpr int64_t kKeys = 32;  // keys per P tile row (32 bf16 = 64 bytes); the 
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Plain data, outside the AMX guard: the argument checks below build it on every CPU.
+struct Chunk {
+  int64_t start, qlen, ctx;
+  const int64_t* table;
+  int64_t packed;  // offset of its first KV head's packed keys (and values) in the scratch, in dwords
+};
+
 #ifdef SLUICE_HAVE_AMX
 
 constexpr int64_t kRows = kTileRows;  // 16 query rows, 16 keys or 16 key pairs per tile
@@ -51,12 +58,6 @@ inline void split16(__m512 x, uint16_t* hi, uint16_t* mid, uint16_t* lo) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(mid), reinterpret_cast<__m256i>(m));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(r, widen(m)))));
 }
-
-struct Chunk {
-  int64_t start, qlen, ctx;
-  const int64_t* table;
-  int64_t packed;  // offset of its first KV head's packed keys (and values) in the scratch, in dwords
-};
 
 // Keys [0, ctx) of one KV head -> B tiles of Q.K^T: for each 16 keys and each 32 head-dim elements, a
 // tile whose row r holds, for each of the 16 keys, the pair (k[2r], k[2r+1]) of that 32: the transpose,
