@@ -145,6 +145,12 @@ class EngineConfig:
     # 0.625 bytes a weight instead of read at 2. Bigger steps are compute-bound: oneDNN is as fast. Prompts
     # stay on oneDNN. 0 turns it off.
     amx_max_rows: int = 64
+    # Steps of more than quantized_max_rows tokens, up to this many, multiply by the blocks through the panel
+    # kernels (kernels/quant_panel.cpp) where the dense weights are fp32 (no native bf16) and the CPU has
+    # AVX-512: the dense path's very fp32 weights, dequantized once per step into an L2-sized panel, from 0.625
+    # bytes a weight instead of read at 4; 32-sequence decode steps ~1.5x faster there. Bigger steps are
+    # compute-bound: the dense GEMM is as fast. 0 turns it off.
+    panel_max_rows: int = 256
     # Keep the dense bf16 weights in oneDNN's blocked layout (model/llama.py pack_dense) where the CPU
     # computes bf16 natively: the same results, without re-laying a weight out at every GEMM.
     pack_weights: bool = True

@@ -93,7 +93,8 @@ class LLMEngine:
                                  model_cfg.max_position_embeddings)
         # The quantized blocks are a CPU kernel's: off on an accelerator.
         num_quantized = self.loaded.model.enable_quantized(
-            config.quantized_max_rows if on_cpu else 0, config.amx_max_rows if on_cpu else 0
+            config.quantized_max_rows if on_cpu else 0, config.amx_max_rows if on_cpu else 0,
+            config.panel_max_rows if on_cpu else 0,
         )
         if num_quantized:
             log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices",

@@ -33,6 +33,7 @@ from engine_native.model.attention import AttentionPlan, amx_prefill_fits, paged
 from engine_native.model.attention_backends import AttentionBackend, StepAttention
 from engine_native.model.base import ModelLoadError
 from engine_native.model.quant import (
+    PanelWeight,
     Q41Weight,
     Q80Weight,
     QuantWeight,
@@ -41,6 +42,10 @@ from engine_native.model.quant import (
     amx_linear,
     concat,
     kernels_available,
+    panel_available,
+    panel_blocks,
+    panel_fits,
+    panel_linear,
     quant_linear,
 )
 from engine_native.model.rope import RotaryTable, apply_rotary
@@ -139,6 +144,10 @@ class DecoderLayer(nn.Module):
         # Q4_1 blocks multiplied through AMX in steps of more than quantized_max_rows, up to amx_max_rows.
         self.amx: dict[str, Q41Weight] = {}
         self.amx_max_rows = 0
+        # The blocks re-laid out for the panel kernels, used in steps of more than quantized_max_rows, up to
+        # panel_max_rows, where the dense weights are fp32.
+        self.panel: dict[str, PanelWeight] = {}
+        self.panel_max_rows = 0
         # The dense matrices in oneDNN's own layout (pack_dense), which replace the plain ones.
         self.packed: dict[str, torch.Tensor] = {}
 
@@ -152,9 +161,11 @@ class DecoderLayer(nn.Module):
             setattr(self, name, _frozen(torch.empty(0, dtype=weight.dtype)))
         return len(_DENSE)
 
-    def enable_quantized(self, max_rows: int, amx_max_rows: int = 0) -> int:
-        """Multiply by the kept blocks in steps of at most `max_rows` tokens, and by the Q4_1 ones through
-        AMX in steps of at most `amx_max_rows` (the caller checked AMX and bf16); returns how many matrices."""
+    def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0) -> int:
+        """Multiply by the kept blocks in steps of at most `max_rows` tokens, by the Q4_1 ones through
+        AMX in steps of at most `amx_max_rows` (the caller checked AMX and bf16), and by all of them
+        through the panel kernels in steps of at most `panel_max_rows` (the caller checked AVX-512 and
+        fp32); returns how many matrices."""
         self.quantized = dict(self._available) if max_rows > 0 else {}
         self.quantized_max_rows = max_rows
         # The AMX kernel takes no bias: a Qwen2 qkv stays on the dense GEMM.
@@ -163,7 +174,11 @@ class DecoderLayer(nn.Module):
             if isinstance(w, Q41Weight) and amx_fits(w) and not (name == "qkv_weight" and self.qkv_bias is not None)
         } if amx_max_rows > max_rows else {}
         self.amx_max_rows = amx_max_rows if self.amx else 0
-        return len(self.quantized.keys() | self.amx.keys())
+        self.panel = {
+            name: panel_blocks(w) for name, w in self._available.items() if panel_fits(w)
+        } if panel_max_rows > max_rows else {}
+        self.panel_max_rows = panel_max_rows if self.panel else 0
+        return len(self.quantized.keys() | self.amx.keys() | self.panel.keys())
 
     def _linear(
         self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, keep_dtype: bool = False,
@@ -174,6 +189,9 @@ class DecoderLayer(nn.Module):
         blocks = self.quantized.get(name)
         if blocks is not None and x.shape[0] <= self.quantized_max_rows:
             return quant_linear(x, blocks, bias)
+        panel = self.panel.get(name)
+        if panel is not None and x.shape[0] <= self.panel_max_rows:
+            return panel_linear(x, panel, bias)
         amx_blocks = self.amx.get(name)
         if amx_blocks is not None and amx and x.shape[0] <= self.amx_max_rows:
             out = amx_linear(x, amx_blocks)
@@ -260,6 +278,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed if tied else _frozen(weights["lm_head.weight"])
         self._lm_head_available = blocks.get("model.embed_tokens.weight" if tied else "lm_head.weight")
         self.lm_head_quantized: QuantWeight | None = None
+        self.lm_head_panel: PanelWeight | None = None
+        self.panel_max_rows = 0
         self.lm_head_packed: torch.Tensor | None = None
         self.quantized_max_rows = 0
         self._fused: Any | None = None  # kernels.FusedDecoder, built at the first step that can use it
@@ -273,20 +293,28 @@ class LlamaForCausalLM(nn.Module):
         )
         self._check_shapes()
 
-    def enable_quantized(self, max_rows: int, amx_max_rows: int = 0) -> int:
+    def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0) -> int:
         """Multiply by the GGUF blocks the loader kept in steps of at most `max_rows` tokens (0: never),
-        and by the Q4_1 ones through AMX in steps of at most `amx_max_rows` where the dense weights are
-        bf16 (the AMX path's values are theirs) and the CPU has AMX-BF16. Returns the number of weight
-        matrices that will; 0 where the kernels cannot run here."""
+        by the Q4_1 ones through AMX in steps of at most `amx_max_rows` where the dense weights are
+        bf16 (the AMX path's values are theirs) and the CPU has AMX-BF16, and through the panel kernels
+        in steps of at most `panel_max_rows` where the dense weights are fp32 (their values too) and the
+        kernels have AVX-512. Returns the number of weight matrices that will; 0 where the kernels cannot
+        run here."""
         if max_rows <= 0 or not kernels_available():
             max_rows = 0
         if not (amx_max_rows > 0 and self.dtype == torch.bfloat16 and amx_available()):
             amx_max_rows = 0
+        if not (panel_max_rows > max_rows and self.dtype == torch.float32 and panel_available()):
+            panel_max_rows = 0
         self.quantized_max_rows = max_rows
         self.lm_head_quantized = self._lm_head_available if max_rows else None
+        lm_head = self._lm_head_available
+        self.lm_head_panel = panel_blocks(lm_head) if panel_max_rows and lm_head is not None and panel_fits(lm_head) else None
+        self.panel_max_rows = panel_max_rows
         self._fused, self._fused_key = None, None
-        layers = sum(layer.enable_quantized(max_rows, amx_max_rows) for layer in self.layers)  # type: ignore[operator]
-        return layers + (self.lm_head_quantized is not None)
+        layers = sum(layer.enable_quantized(max_rows, amx_max_rows, panel_max_rows)  # type: ignore[operator]
+                     for layer in self.layers)
+        return layers + (self.lm_head_quantized is not None or self.lm_head_panel is not None)
 
     def pack_dense(self, batch_hint: int = 32) -> int:
         """Pre-pack every dense weight matrix for oneDNN where that is faster (`can_pack`); returns
@@ -395,6 +423,8 @@ class LlamaForCausalLM(nn.Module):
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.config.rms_norm_eps)
         if self.lm_head_quantized is not None and h.shape[0] <= self.quantized_max_rows:
             return quant_linear(h, self.lm_head_quantized)
+        if self.lm_head_panel is not None and h.shape[0] <= self.panel_max_rows:
+            return panel_linear(h, self.lm_head_panel)
         if self.lm_head_packed is not None:
             return _packed_linear(h.to(self.dtype), self.lm_head_packed).float()
         return F.linear(h.to(self.dtype), self.lm_head).float()

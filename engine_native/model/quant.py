@@ -117,6 +117,50 @@ def amx_fits(w: QuantWeight) -> bool:
     return isinstance(w, Q41Weight) and w.shape[0] % 32 == 0
 
 
+@dataclass(frozen=True)
+class PanelWeight:
+    """A Q4_1 or Q8_0 weight re-laid out for kernels/quant_panel.cpp: per 16 weight rows and block, the 16
+    rows' values element by element (that file's header gives the layouts). The same codes and scales."""
+
+    qs: torch.Tensor
+    scales: torch.Tensor  # Q4_1: [N/16, K/32, 2, 16] (d then m); Q8_0: [N/16, K/32, 16]
+    q4_1: bool
+
+
+def panel_fits(w: QuantWeight) -> bool:
+    return w.shape[0] % 32 == 0
+
+
+def panel_available() -> bool:
+    """Whether the panel kernels run here: the kernels built with AVX-512."""
+    kernels = _kernels()
+    return kernels is not None and bool(kernels.panel_available())
+
+
+def panel_blocks(w: QuantWeight) -> PanelWeight:
+    """`w` in the panel kernels' layout; needs `panel_fits(w)`."""
+    n, k = w.shape
+    g = n // 16
+    if isinstance(w, Q41Weight):
+        codes = torch.cat([w.qs & 0x0F, w.qs >> 4], dim=-1)  # [N, K/32, 32], element order
+        codes = codes.reshape(g, 16, k // BLOCK, BLOCK).permute(0, 2, 3, 1)  # [G, K/32, 32, 16 rows]
+        qs = (codes[..., :8] | (codes[..., 8:] << 4)).contiguous()
+        scales = w.dm.reshape(g, 16, k // BLOCK, 2).permute(0, 2, 3, 1).contiguous()
+        return PanelWeight(qs, scales, q4_1=True)
+    qs = w.qs.reshape(g, 16, k // BLOCK, BLOCK).permute(0, 2, 3, 1).contiguous()
+    scales = w.d.reshape(g, 16, k // BLOCK).permute(0, 2, 1).contiguous()
+    return PanelWeight(qs, scales, q4_1=False)
+
+
+def panel_linear(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (any float dtype) @ w^T -> [M, N] fp32; needs `panel_available()`."""
+    kernels = _kernels()
+    assert kernels is not None
+    xf = x.float().contiguous()
+    y = (kernels.q4_1_panel_linear if w.q4_1 else kernels.q8_0_panel_linear)(xf, w.qs, w.scales)
+    return y if bias is None else y + bias
+
+
 def amx_linear(x: torch.Tensor, w: Q41Weight) -> torch.Tensor:
     """x [M, K] @ w^T -> [M, N] bf16 through AMX (kernels/amx_linear.cpp), rounded as the dense bf16
     GEMM rounds its output; x is rounded to bf16 first, as for the dense GEMM. Needs `amx_available()`

@@ -117,10 +117,13 @@ def test_bias_and_bf16_inputs() -> None:
     torch.testing.assert_close(y.float(), (x.float() @ dequantize(w).t() + bias), atol=0.02, rtol=0.01)
 
 
-def _engine(quantized_max_rows: int, dtype: str = "auto") -> LLMEngine:
+def _engine(quantized_max_rows: int, dtype: str = "auto", panel_max_rows: int | None = None) -> LLMEngine:
+    """`quantized_max_rows` 0 and no `panel_max_rows`: the dense weights only."""
+    if panel_max_rows is None:
+        panel_max_rows = EngineConfig.__dataclass_fields__["panel_max_rows"].default if quantized_max_rows else 0
     return LLMEngine(
         EngineConfig(model_path=bundled_model_path(), quantized_max_rows=quantized_max_rows, dtype=dtype,
-                     cache=CacheConfig(num_blocks=256, enable_prefix_caching=False)),
+                     panel_max_rows=panel_max_rows, cache=CacheConfig(num_blocks=256, enable_prefix_caching=False)),
         progress=False,
     )
 
