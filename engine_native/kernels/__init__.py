@@ -11,7 +11,7 @@ What each function computes is written at the top of its source file:
     sample.cpp           sample_rows: a token per row from softmax(logits / temperature), no truncation
     amx_linear.cpp       amx_q4_1_linear: x @ W^T with W in Q4_1 blocks through AMX (bf16 in and out), where the CPU has it
     amx_attention.cpp    amx_prefill_attention: prefill chunks' attention over a bf16 cache through AMX, fp32-accurate
-    quant_panel.cpp      q4_1_panel_linear, q8_0_panel_linear: x @ W^T for 9 to a few dozen rows, AVX-512, fp32 hosts
+    quant_panel.cpp      q4_1_panel_linear, q8_0_panel_linear: x @ W^T for 9 to a few hundred rows, AVX-512, fp32 hosts
 
 The build goes through torch.utils.cpp_extension (ninja, the host's g++) into
 ~/.cache/sluice/kernels/<key>, where the key covers the source, torch's version and this CPU's

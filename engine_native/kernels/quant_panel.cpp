@@ -1,4 +1,4 @@
-// Matrix products with GGUF-block weights for steps of 9 to a few dozen tokens, on AVX-512 CPUs without
+// Matrix products with GGUF-block weights for steps of 9 to a few hundred tokens, on AVX-512 CPUs without
 // native bf16, where the dense path is fp32.
 //
 // There, a 32-sequence decode step spends most of its time streaming the fp32 weights (4 bytes each)

@@ -46,7 +46,8 @@ class CausalLM(Protocol):
     def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0) -> int:
         """Multiply by the weights' quantized blocks (when the loader kept them) in steps of at most
         `max_rows` tokens, through AMX in steps of at most `amx_max_rows` where the CPU has it, and
-        through the panel kernels in steps of at most `panel_max_rows` where the dense path is fp32; returns how many weight matrices will (0 where unsupported)."""
+        through the panel kernels in steps of at most `panel_max_rows` where the dense path is fp32;
+        returns how many weight matrices will (0 where unsupported)."""
         ...
 
     def pack_dense(self, batch_hint: int = 32) -> int:
