@@ -133,13 +133,13 @@ void check_q4_1_blocks(const torch::Tensor& qs, const torch::Tensor& dm) {
               "dm must be a contiguous float32 [N, K/32, 2] tensor");
 }
 
-namespace {
-
 void check_x(const torch::Tensor& x, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight ", k);
 }
+
+namespace {
 
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
   check_q4_1_blocks(qs, dm);

@@ -125,23 +125,24 @@ bool panel_available() {
 #endif
 }
 
-void check_x(const torch::Tensor& x, int64_t k) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be a contiguous float32 [M, K] tensor");
-  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight ", k);
+// The checks both formats share: the kernels built, qs [N/16, K/32, 32, bytes_per_element] of `dtype`
+// with N a multiple of 32, x [M, K]. Returns the empty [M, N] output.
+torch::Tensor checked_output(const torch::Tensor& x, const torch::Tensor& qs, torch::ScalarType dtype,
+                             int64_t bytes_per_element, const char* what) {
+  TORCH_CHECK(panel_available(), "the panel kernels need AVX-512");
+  TORCH_CHECK(qs.dim() == 4 && qs.size(2) == kBlock && qs.size(3) == bytes_per_element &&
+                  qs.scalar_type() == dtype && qs.is_contiguous(), what);
+  TORCH_CHECK(qs.size(0) % 2 == 0, "the weight's rows must be a multiple of 32");
+  check_x(x, qs.size(1) * kBlock);
+  return torch::empty({x.size(0), qs.size(0) * kGroup}, x.options());
 }
 
 torch::Tensor q4_1_panel_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
-  TORCH_CHECK(panel_available(), "the panel kernels need AVX-512");
-  TORCH_CHECK(qs.dim() == 4 && qs.size(2) == kBlock && qs.size(3) == 8 && qs.scalar_type() == torch::kUInt8 &&
-                  qs.is_contiguous(), "qs must be a contiguous uint8 [N/16, K/32, 32, 8] tensor");
-  TORCH_CHECK(qs.size(0) % 2 == 0, "the weight's rows must be a multiple of 32");
+  auto out = checked_output(x, qs, torch::kUInt8, 8, "qs must be a contiguous uint8 [N/16, K/32, 32, 8] tensor");
   TORCH_CHECK(dm.dim() == 4 && dm.size(0) == qs.size(0) && dm.size(1) == qs.size(1) && dm.size(2) == 2 &&
                   dm.size(3) == kGroup && dm.scalar_type() == torch::kFloat32 && dm.is_contiguous(),
               "dm must be a contiguous float32 [N/16, K/32, 2, 16] tensor");
-  const int64_t n = qs.size(0) * kGroup, nblocks = qs.size(1), k = nblocks * kBlock;
-  check_x(x, k);
-  auto out = torch::empty({x.size(0), n}, x.options());
+  const int64_t n = out.size(1), nblocks = qs.size(1), k = nblocks * kBlock;
 #ifdef __AVX512F__
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const float* s = dm.data_ptr<float>();
@@ -153,16 +154,11 @@ torch::Tensor q4_1_panel_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor
 }
 
 torch::Tensor q8_0_panel_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
-  TORCH_CHECK(panel_available(), "the panel kernels need AVX-512");
-  TORCH_CHECK(qs.dim() == 4 && qs.size(2) == kBlock && qs.size(3) == kGroup && qs.scalar_type() == torch::kInt8 &&
-                  qs.is_contiguous(), "qs must be a contiguous int8 [N/16, K/32, 32, 16] tensor");
-  TORCH_CHECK(qs.size(0) % 2 == 0, "the weight's rows must be a multiple of 32");
+  auto out = checked_output(x, qs, torch::kInt8, kGroup, "qs must be a contiguous int8 [N/16, K/32, 32, 16] tensor");
   TORCH_CHECK(d.dim() == 3 && d.size(0) == qs.size(0) && d.size(1) == qs.size(1) && d.size(2) == kGroup &&
                   d.scalar_type() == torch::kFloat32 && d.is_contiguous(),
               "d must be a contiguous float32 [N/16, K/32, 16] tensor");
-  const int64_t n = qs.size(0) * kGroup, nblocks = qs.size(1), k = nblocks * kBlock;
-  check_x(x, k);
-  auto out = torch::empty({x.size(0), n}, x.options());
+  const int64_t n = out.size(1), nblocks = qs.size(1), k = nblocks * kBlock;
 #ifdef __AVX512F__
   const int8_t* q = qs.data_ptr<int8_t>();
   const float* s = d.data_ptr<float>();

@@ -99,6 +99,8 @@ void quant_matmul(QuantFormat format, const float* x, int64_t m, int64_t k, cons
 
 // Refuses (TORCH_CHECK) anything but a Q4_1 weight's blocks in the layout quant_linear.cpp describes.
 void check_q4_1_blocks(const at::Tensor& qs, const at::Tensor& dm);
+// x must be a contiguous fp32 [M, k] tensor (the activations of the block GEMMs).
+void check_x(const at::Tensor& x, int64_t k);
 
 // Attention of one query token per sequence over the paged fp32 cache (see paged_attention.cpp).
 void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* k_cache, const float* v_cache,
