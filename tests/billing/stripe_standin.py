@@ -15,6 +15,7 @@
 Faults are queued by the test (`inject`) and consumed by the next matching POSTs:
     "429", "500"            answered before executing (nothing counted, nothing stored)
     "timeout"               sleeps `delay_s` (longer than the client waits), then executes normally
+    "slow"                  the same with a `delay_s` the client does wait for: a slow 200
     "commit_then_500"       executes and counts the event, answers 500 (stored for the key)
     "commit_then_hold"      executes, counts, stores the 200, then holds the answer until released
 
@@ -161,7 +162,7 @@ class StripeStandIn:
                                                         "idempotency-key": key}
                 self.keys[key] = StoredAnswer(fingerprint, 0, b"", done=False)
         try:
-            if fault and fault.kind == "timeout":  # the key is taken meanwhile: a retry now gets 409
+            if fault and fault.kind in ("timeout", "slow"):  # the key is taken meanwhile: a retry gets 409
                 await asyncio.sleep(fault.delay_s)
             status, answer, extra = self._execute(path, params)
         except BaseException:

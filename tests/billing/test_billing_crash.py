@@ -20,6 +20,7 @@ from harness import (
     events,
     ledger_tokens,
     linked_tenant,
+    pending,
     relay,
     run,
     write_usage,
@@ -107,6 +108,12 @@ def test_two_relays_at_once_on_postgresql(pg_url: str, stripe_standin: RunningSt
         other_engine = create_engine(pg_url)
         other_sessions = session_factory(other_engine)
         a, b = relay(sessions, cfg), relay(other_sessions, cfg)
+        # Both pools connected and the first answers slow: neither relay can finish all the work
+        # before the other's first claim (on a loaded machine one sometimes did, and the test
+        # then proved nothing about two at once).
+        await pending(other_sessions)
+        await pending(sessions)
+        stripe_standin.app.inject(*["slow"] * 4, delay_s=0.3)
         try:
             await asyncio.gather(drain(a, sessions), drain(b, other_sessions))
         finally:

@@ -47,13 +47,15 @@ def test_kernel_matches_softmax_attention(heads: int, kv_heads: int, head_dim: i
 
 @pytest.mark.skipif(not getattr(cpu_kernels(), "BF16_KV_CACHE", False), reason="a bf16 cache needs the AVX-512 build")
 @pytest.mark.parametrize("lens", [[1, 7, 16, 17, 100, 203], [203]], ids=["batch", "alone"])
-def test_a_bf16_cache_is_read_exactly(lens: list[int]) -> None:
+# Groups of three, two, four (three then one) and five (three then two) query heads per KV head.
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (6, 3, 64), (8, 2, 128), (10, 2, 80), (4, 1, 32)])
+def test_a_bf16_cache_is_read_exactly(lens: list[int], heads: int, kv_heads: int, head_dim: int) -> None:
     """The kernel widens bf16 K/V to fp32 exactly: its answer over a bf16 cache is the softmax
     attention over the same values in fp32."""
     kernels = cpu_kernels()
     assert kernels is not None
     g = torch.Generator().manual_seed(7)
-    heads, kv_heads, head_dim, num_blocks, bs = 9, 3, 64, 40, 16
+    num_blocks, bs = 40, 16
     k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(torch.bfloat16)
     v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(torch.bfloat16)
     free = torch.randperm(num_blocks, generator=g).tolist()
