@@ -97,9 +97,10 @@ class LLMEngine:
             config.panel_max_rows if on_cpu else 0,
         )
         if num_quantized:
+            panel = getattr(self.loaded.model, "panel_max_rows", 0)  # 0 where the panel kernels do not run
             log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices%s",
                      config.quantized_max_rows, num_quantized,
-                     f" (<= {panel} through the panel kernels)" if (panel := getattr(self.loaded.model, "panel_max_rows", 0)) else "")
+                     f" (<= {panel} through the panel kernels)" if panel else "")
         if config.pack_weights and on_cpu and (num_packed := self.loaded.model.pack_dense()):
             log.info("%d dense weight matrices pre-packed for oneDNN", num_packed)
         # The quantized steps (and the fused decoder among them) attend through Sluice's kernels, which

@@ -309,8 +309,9 @@ class LlamaForCausalLM(nn.Module):
         self.quantized_max_rows = max_rows
         self.lm_head_quantized = self._lm_head_available if max_rows else None
         lm_head = self._lm_head_available
-        fits = panel_max_rows > 0 and lm_head is not None and panel_fits(lm_head)
-        self.lm_head_panel = panel_blocks(lm_head) if fits and lm_head is not None else None
+        self.lm_head_panel = None
+        if panel_max_rows > 0 and lm_head is not None and panel_fits(lm_head):
+            self.lm_head_panel = panel_blocks(lm_head)
         self.panel_max_rows = panel_max_rows
         self._fused, self._fused_key = None, None
         layers = sum(layer.enable_quantized(max_rows, amx_max_rows, panel_max_rows)  # type: ignore[operator]
