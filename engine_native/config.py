@@ -146,8 +146,8 @@ class EngineConfig:
     # stay on oneDNN. 0 turns it off.
     amx_max_rows: int = 64
     # Steps of more than quantized_max_rows tokens, up to this many, multiply by the blocks through the panel
-    # kernels (kernels/quant_panel.cpp) where the dense weights are fp32 (no native bf16) and the CPU has
-    # AVX-512: the dense path's very fp32 weights, dequantized once per step into an L2-sized panel, from 0.625
+    # kernels (kernels/quant_panel.cpp) where the dense weights are fp32 (no native bf16; AVX-512 or AVX2):
+    # the dense path's very fp32 weights, dequantized once per step into an L2-sized panel, from 0.625
     # bytes a weight instead of read at 4; 32-sequence decode steps ~1.5x faster there. Bigger steps are
     # compute-bound: the dense GEMM is as fast. 0 turns it off.
     panel_max_rows: int = 256

@@ -1,5 +1,5 @@
-// Matrix products with GGUF-block weights for steps of 9 to a few hundred tokens, on AVX-512 CPUs without
-// native bf16, where the dense path is fp32.
+// Matrix products with GGUF-block weights for steps of 9 to a few hundred tokens, on CPUs without native
+// bf16, where the dense path is fp32; AVX-512 where built with it, else AVX2 (the same values and sums).
 //
 // There, a 32-sequence decode step spends most of its time streaming the fp32 weights (4 bytes each)
 // from memory, and quant_linear.cpp's kernel, built for a handful of rows, re-dequantizes every weight
@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -27,9 +28,11 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 16;             // weight rows per dequantized vector
 constexpr int64_t kTile = 2 * kGroup;      // weight rows per panel: two vectors per x row and k
-constexpr int64_t kPassRows = 12;          // x rows per pass over a panel: 24 accumulators + 2 panel vectors
 
 #ifdef __AVX512F__
+
+constexpr int64_t kPassRows = 12;  // x rows per pass: 24 accumulators + 2 panel vectors of 32 registers
+constexpr int64_t kPassCols = 32;  // panel columns per pass: two 16-float vectors
 
 // Dequantize 16 weight rows (one group) over all K into panel columns [0, 16) (row stride kTile floats).
 void q4_1_group(const uint8_t* qs, const float* dm, int64_t nblocks, float* panel) {
@@ -60,7 +63,8 @@ void q8_0_group(const int8_t* qs, const float* d, int64_t nblocks, float* panel)
   }
 }
 
-// R rows of x against one panel: out[r, 0:32] = sum over k of x[r, k] * panel[k, 0:32], k in order.
+// R rows of x against the panel's 32 columns: out[r, 0:32] = sum over k of x[r, k] * panel[k, 0:32], k in
+// order.
 template <int R>
 void pass(const float* x, int64_t ldx, const float* panel, int64_t k, float* out, int64_t ldo) {
   __m512 acc[R][2];
@@ -79,21 +83,81 @@ void pass(const float* x, int64_t ldx, const float* panel, int64_t k, float* out
   }
 }
 
-void pass_rows(const float* x, int64_t rows, int64_t ldx, const float* panel, int64_t k, float* out, int64_t ldo) {
-  switch (rows) {
-    case 1: pass<1>(x, ldx, panel, k, out, ldo); break;
-    case 2: pass<2>(x, ldx, panel, k, out, ldo); break;
-    case 3: pass<3>(x, ldx, panel, k, out, ldo); break;
-    case 4: pass<4>(x, ldx, panel, k, out, ldo); break;
-    case 5: pass<5>(x, ldx, panel, k, out, ldo); break;
-    case 6: pass<6>(x, ldx, panel, k, out, ldo); break;
-    case 7: pass<7>(x, ldx, panel, k, out, ldo); break;
-    case 8: pass<8>(x, ldx, panel, k, out, ldo); break;
-    case 9: pass<9>(x, ldx, panel, k, out, ldo); break;
-    case 10: pass<10>(x, ldx, panel, k, out, ldo); break;
-    case 11: pass<11>(x, ldx, panel, k, out, ldo); break;
-    default: pass<12>(x, ldx, panel, k, out, ldo); break;
+#else  // AVX2: the same values and the same order of additions, on 8-float vectors
+
+constexpr int64_t kPassRows = 6;   // x rows per pass: 12 accumulators + 2 panel vectors + 1 of x, of 16
+constexpr int64_t kPassCols = 16;  // panel columns per pass: two 8-float vectors (a panel takes two passes)
+
+void q4_1_group(const uint8_t* qs, const float* dm, int64_t nblocks, float* panel) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* q = qs + b * kBlock * 8;
+    const float* s = dm + b * 2 * kGroup;
+    const __m256 d0 = _mm256_loadu_ps(s), d1 = _mm256_loadu_ps(s + 8);
+    const __m256 m0 = _mm256_loadu_ps(s + kGroup), m1 = _mm256_loadu_ps(s + kGroup + 8);
+    float* p = panel + b * kBlock * kTile;
+    for (int64_t j = 0; j < kBlock; j += 2) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 8));  // elements j, j + 1
+      const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+      const __m128i rows[2] = {_mm_unpacklo_epi64(lo, hi), _mm_unpackhi_epi64(lo, hi)};  // 16 rows of j, j + 1
+      for (int e = 0; e < 2; ++e) {
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(rows[e]));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(rows[e], 8)));
+        _mm256_storeu_ps(p + (j + e) * kTile, _mm256_fmadd_ps(d0, w0, m0));
+        _mm256_storeu_ps(p + (j + e) * kTile + 8, _mm256_fmadd_ps(d1, w1, m1));
+      }
+    }
   }
+}
+
+void q8_0_group(const int8_t* qs, const float* d, int64_t nblocks, float* panel) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int8_t* q = qs + b * kBlock * kGroup;
+    const __m256 d0 = _mm256_loadu_ps(d + b * kGroup), d1 = _mm256_loadu_ps(d + b * kGroup + 8);
+    float* p = panel + b * kBlock * kTile;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * kGroup));
+      _mm256_storeu_ps(p + j * kTile, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+      _mm256_storeu_ps(p + j * kTile + 8,
+                       _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))));
+    }
+  }
+}
+
+// R rows of x against 16 panel columns (panel and out point at the first): out[r, 0:16] = sum over k of
+// x[r, k] * panel[k, 0:16], k in order.
+template <int R>
+void pass(const float* x, int64_t ldx, const float* panel, int64_t k, float* out, int64_t ldo) {
+  __m256 acc[2 * R];
+#pragma GCC unroll 16
+  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const __m256 p0 = _mm256_loadu_ps(panel + kk * kTile), p1 = _mm256_loadu_ps(panel + kk * kTile + 8);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + kk);
+      acc[2 * r] = _mm256_fmadd_ps(xv, p0, acc[2 * r]);
+      acc[2 * r + 1] = _mm256_fmadd_ps(xv, p1, acc[2 * r + 1]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * ldo, acc[2 * r]);
+    _mm256_storeu_ps(out + r * ldo + 8, acc[2 * r + 1]);
+  }
+}
+
+#endif  // __AVX512F__
+
+template <int... R>
+void pass_rows_impl(int64_t rows, std::integer_sequence<int, R...>, const float* x, int64_t ldx,
+                    const float* panel, int64_t k, float* out, int64_t ldo) {
+  // Calls pass<rows> (rows in 1..kPassRows).
+  (void)((rows == R + 1 ? (pass<R + 1>(x, ldx, panel, k, out, ldo), true) : false) || ...);
+}
+
+void pass_rows(const float* x, int64_t rows, int64_t ldx, const float* panel, int64_t k, float* out, int64_t ldo) {
+  pass_rows_impl(rows, std::make_integer_sequence<int, kPassRows>{}, x, ldx, panel, k, out, ldo);
 }
 
 // `group(g, panel)` dequantizes weight-row group g into the panel's first 16 columns.
@@ -108,28 +172,18 @@ void panel_matmul(const float* x, int64_t m, int64_t k, int64_t n, Group group, 
       const int64_t passes = (m + kPassRows - 1) / kPassRows;
       for (int64_t i = 0, r0 = 0; i < passes; ++i) {
         const int64_t rows = (m - r0) / (passes - i);
-        pass_rows(x + r0 * k, rows, k, panel.data(), k, out + r0 * n + t * kTile, n);
+        for (int64_t c = 0; c < kTile; c += kPassCols)
+          pass_rows(x + r0 * k, rows, k, panel.data() + c, k, out + r0 * n + t * kTile + c, n);
         r0 += rows;
       }
     }
   });
 }
 
-#endif  // __AVX512F__
-
-bool panel_available() {
-#ifdef __AVX512F__
-  return true;
-#else
-  return false;
-#endif
-}
-
-// The checks both formats share: the kernels built, qs [N/16, K/32, 32, bytes_per_element] of `dtype`
+// The checks both formats share: qs [N/16, K/32, 32, bytes_per_element] of `dtype`
 // with N a multiple of 32, x [M, K]. Returns the empty [M, N] output.
 torch::Tensor checked_output(const torch::Tensor& x, const torch::Tensor& qs, torch::ScalarType dtype,
                              int64_t bytes_per_element, const char* what) {
-  TORCH_CHECK(panel_available(), "the panel kernels need AVX-512");
   TORCH_CHECK(qs.dim() == 4 && qs.size(2) == kBlock && qs.size(3) == bytes_per_element &&
                   qs.scalar_type() == dtype && qs.is_contiguous(), what);
   TORCH_CHECK(qs.size(0) % 2 == 0, "the weight's rows must be a multiple of 32");
@@ -143,13 +197,11 @@ torch::Tensor q4_1_panel_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor
                   dm.size(3) == kGroup && dm.scalar_type() == torch::kFloat32 && dm.is_contiguous(),
               "dm must be a contiguous float32 [N/16, K/32, 2, 16] tensor");
   const int64_t n = out.size(1), nblocks = qs.size(1), k = nblocks * kBlock;
-#ifdef __AVX512F__
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const float* s = dm.data_ptr<float>();
   panel_matmul(x.data_ptr<float>(), x.size(0), k, n, [=](int64_t g, float* panel) {
     q4_1_group(q + g * nblocks * kBlock * 8, s + g * nblocks * 2 * kGroup, nblocks, panel);
   }, out.data_ptr<float>());
-#endif
   return out;
 }
 
@@ -159,13 +211,11 @@ torch::Tensor q8_0_panel_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor
                   d.scalar_type() == torch::kFloat32 && d.is_contiguous(),
               "d must be a contiguous float32 [N/16, K/32, 16] tensor");
   const int64_t n = out.size(1), nblocks = qs.size(1), k = nblocks * kBlock;
-#ifdef __AVX512F__
   const int8_t* q = qs.data_ptr<int8_t>();
   const float* s = d.data_ptr<float>();
   panel_matmul(x.data_ptr<float>(), x.size(0), k, n, [=](int64_t g, float* panel) {
     q8_0_group(q + g * nblocks * kBlock * kGroup, s + g * nblocks * kGroup, nblocks, panel);
   }, out.data_ptr<float>());
-#endif
   return out;
 }
 
@@ -174,7 +224,6 @@ torch::Tensor q8_0_panel_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor
 
 void register_quant_panel(pybind11::module& m) {
   using namespace sluice;
-  m.def("panel_available", &panel_available, "whether the panel kernels were built (AVX-512)");
   m.def("q4_1_panel_linear", &q4_1_panel_linear, "x [M, K] fp32 @ Q4_1 weight (panel layout)^T -> [M, N] fp32");
   m.def("q8_0_panel_linear", &q8_0_panel_linear, "x [M, K] fp32 @ Q8_0 weight (panel layout)^T -> [M, N] fp32");
 }

@@ -164,7 +164,7 @@ class DecoderLayer(nn.Module):
     def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0) -> int:
         """Multiply by the kept blocks in steps of at most `max_rows` tokens, by the Q4_1 ones through
         AMX in steps of at most `amx_max_rows` (the caller checked AMX and bf16), and by all of them
-        through the panel kernels in steps of at most `panel_max_rows` (the caller checked AVX-512 and
+        through the panel kernels in steps of at most `panel_max_rows` (the caller checked the kernels and
         fp32); returns how many matrices."""
         self.quantized = dict(self._available) if max_rows > 0 else {}
         self.quantized_max_rows = max_rows
@@ -298,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         by the Q4_1 ones through AMX in steps of at most `amx_max_rows` where the dense weights are
         bf16 (the AMX path's values are theirs) and the CPU has AMX-BF16, and through the panel kernels
         in steps of at most `panel_max_rows` where the dense weights are fp32 (their values too) and the
-        kernels have AVX-512. Returns the number of weight matrices that will; 0 where the kernels cannot
+        kernels built. Returns the number of weight matrices that will; 0 where the kernels cannot
         run here."""
         if max_rows <= 0 or not kernels_available():
             max_rows = 0

@@ -132,9 +132,9 @@ def panel_fits(w: QuantWeight) -> bool:
 
 
 def panel_available() -> bool:
-    """Whether the panel kernels run here: the kernels built with AVX-512."""
-    kernels = _kernels()
-    return kernels is not None and bool(kernels.panel_available())
+    """Whether the panel kernels run here: Sluice's kernels built (they need AVX2, and use AVX-512 where
+    the CPU has it)."""
+    return _kernels() is not None
 
 
 def panel_blocks(w: QuantWeight) -> PanelWeight:
