@@ -35,27 +35,32 @@ def test_the_kernels_build_on_this_host() -> None:
     assert kernels_available()  # CI hosts have AVX2 and g++: the fast path must not silently vanish
 
 
-def test_the_amx_sources_compile_for_the_other_kind_of_cpu_too() -> None:
-    """The host's build compiles each AMX guard one way only: an AMX host never compiles the code that
-    stays when AMX is absent, and the reverse. A type defined inside the guard once broke every
-    non-AMX build (kernels silently off there). Compile those sources, syntax only, for the other kind."""
+def test_the_guarded_sources_compile_for_the_other_kinds_of_cpu_too() -> None:
+    """The host's build compiles each ISA guard (AMX, AVX-512) one way only: an AMX host never compiles
+    the code that stays when AMX is absent, an AVX2-only host never compiles the AVX-512 code, and the
+    reverse. A type defined inside the AMX guard once broke every non-AMX build (kernels silently off
+    there). Compile the guarded sources, syntax only, for each kind of CPU this host is not."""
     import sysconfig
 
     from torch.utils.cpp_extension import include_paths
 
     from engine_native.kernels import _HERE, _SOURCES
 
-    other = "x86-64-v3" if "amx_bf16" in Path("/proc/cpuinfo").read_text() else "sapphirerapids"
-    guarded = [s for s in _SOURCES if "SLUICE_HAVE_AMX" in s.read_text()]
-    assert guarded
-    flags = ["-std=c++17", "-fsyntax-only", "-fopenmp", f"-march={other}", f"-I{_HERE}",
-             f"-I{sysconfig.get_paths()['include']}", *(f"-I{p}" for p in include_paths())]
-    compilers = [subprocess.Popen(["g++", *flags, str(s)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for s in guarded]
-    for source, proc in zip(guarded, compilers, strict=True):
+    flags = Path("/proc/cpuinfo").read_text().split("\nflags", 1)[1].split("\n", 1)[0].split()
+    # x86-64-v3: AVX2 and FMA, neither AVX-512 nor AMX (both guards' other side); sapphirerapids: AVX-512,
+    # its BF16 and AMX (both guards' code).
+    marches = (["x86-64-v3"] if "avx512f" in flags else []) + ([] if "amx_bf16" in flags else ["sapphirerapids"])
+    guarded = [s for s in _SOURCES if "SLUICE_HAVE_AMX" in s.read_text() or "__AVX512F__" in s.read_text()]
+    builds = [(march, s) for march in marches for s in guarded]
+    assert builds
+    common = ["-std=c++17", "-fsyntax-only", "-fopenmp", f"-I{_HERE}",
+              f"-I{sysconfig.get_paths()['include']}", *(f"-I{p}" for p in include_paths())]
+    compilers = [subprocess.Popen(["g++", *common, f"-march={march}", str(s)], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for march, s in builds]
+    for (march, source), proc in zip(builds, compilers, strict=True):
         _, err = proc.communicate(timeout=300)
         errors = [line for line in err.splitlines() if "error" in line]
-        assert proc.returncode == 0, f"{source.name} for -march={other}: {errors[:5]}"
+        assert proc.returncode == 0, f"{source.name} for -march={march}: {errors[:5]}"
 
 
 def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path: Path) -> None:
