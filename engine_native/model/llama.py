@@ -42,7 +42,6 @@ from engine_native.model.quant import (
     amx_linear,
     concat,
     kernels_available,
-    panel_available,
     panel_blocks,
     panel_fits,
     panel_linear,
@@ -304,7 +303,7 @@ class LlamaForCausalLM(nn.Module):
             max_rows = 0
         if not (amx_max_rows > 0 and self.dtype == torch.bfloat16 and amx_available()):
             amx_max_rows = 0
-        if not (panel_max_rows > max_rows and self.dtype == torch.float32 and panel_available()):
+        if not (panel_max_rows > max_rows and self.dtype == torch.float32 and kernels_available()):
             panel_max_rows = 0
         self.quantized_max_rows = max_rows
         self.lm_head_quantized = self._lm_head_available if max_rows else None

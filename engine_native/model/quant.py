@@ -131,12 +131,6 @@ def panel_fits(w: QuantWeight) -> bool:
     return w.shape[0] % 32 == 0
 
 
-def panel_available() -> bool:
-    """Whether the panel kernels run here: Sluice's kernels built (they need AVX2, and use AVX-512 where
-    the CPU has it)."""
-    return _kernels() is not None
-
-
 def panel_blocks(w: QuantWeight) -> PanelWeight:
     """`w` in the panel kernels' layout; needs `panel_fits(w)`."""
     n, k = w.shape
@@ -153,7 +147,8 @@ def panel_blocks(w: QuantWeight) -> PanelWeight:
 
 
 def panel_linear(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (any float dtype) @ w^T -> [M, N] fp32; needs `panel_available()`."""
+    """x [M, K] (any float dtype) @ w^T -> [M, N] fp32; needs `kernels_available()` (the panel kernels build
+    wherever Sluice's kernels do: AVX2, and AVX-512 where the CPU has it)."""
     kernels = _kernels()
     assert kernels is not None
     xf = x.float().contiguous()

@@ -17,7 +17,6 @@ from engine_native.model.quant import (
     Q41Weight,
     Q80Weight,
     dequantize,
-    panel_available,
     panel_blocks,
     panel_fits,
     panel_linear,
@@ -25,8 +24,6 @@ from engine_native.model.quant import (
     q8_0_from_gguf,
 )
 from engine_native.sampling_params import SamplingParams
-
-pytestmark = pytest.mark.skipif(not panel_available(), reason="Sluice's kernels did not build here")
 
 NAMES = ["blk.0.ffn_down.weight", "blk.2.attn_qkv", "token_embd.weight"]
 
