@@ -44,7 +44,7 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("bindings.cpp", "quant_linear.cpp", "paged_attention.cpp", "fused_decode.cpp",
                                  "elementwise.cpp", "sample.cpp", "amx_linear.cpp",
                                  "amx_attention.cpp", "quant_panel.cpp")]
-_HEADERS = [_HERE / "simd.h", _HERE / "rowops.h", _HERE / "amx.h"]
+_HEADERS = [_HERE / "simd.h", _HERE / "rowops.h", _HERE / "amx.h", _HERE / "balance.h"]
 
 
 def _cpu_flags() -> str:

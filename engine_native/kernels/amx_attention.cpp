@@ -21,9 +21,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "amx.h"
+#include "balance.h"
 #include "simd.h"
 
 namespace sluice {
@@ -242,7 +244,10 @@ void amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   std::vector<uint32_t> keys(static_cast<size_t>(packed)), values(static_cast<size_t>(packed));
   const auto* kc = reinterpret_cast<const uint32_t*>(k_cache.data_ptr());
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
-  at::parallel_for(0, nc * hkv, 1, [&](int64_t begin, int64_t end) {
+  // Both loops hand their items out by cost (balance.h): a chunk's keys to pack and a row tile's keys to
+  // attend grow with its context, and a step's chunks range from a few keys to thousands.
+  parallel_for_by_cost(nc * hkv, [&](int64_t job) { return round_up(chunks[job / hkv].ctx, kKeys); },
+                       [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       const Chunk& c = chunks[job / hkv];
       const int64_t kvh = job % hkv, at = c.packed + kvh * round_up(c.ctx, kKeys) * d / 2;
@@ -255,7 +260,17 @@ void amx_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   for (int64_t i = 0; i < nc; ++i) task_start[i + 1] = task_start[i] + h * ((chunks[i].qlen + kRows - 1) / kRows);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, task_start[nc], 1, [&](int64_t begin, int64_t end) {
+  const auto chunk_of = [&](int64_t task) {
+    return static_cast<int64_t>(std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin()) - 1;
+  };
+  const auto task_cost = [&](int64_t task) {  // the keys its rows see, padded as attend_rows pads them, + its q
+    const int64_t ci = chunk_of(task);
+    const Chunk& c = chunks[ci];
+    const int64_t local = task - task_start[ci], tiles = (c.qlen + kRows - 1) / kRows;
+    const int64_t r0 = (local % tiles) * kRows;
+    return round_up(c.ctx - c.qlen + r0 + std::min(kRows, c.qlen - r0), kKeys) + kKeys;
+  };
+  parallel_for_by_cost(task_start[nc], task_cost, [&](int64_t begin, int64_t end) {
     configure_tiles();
     std::vector<uint16_t> qs, probs;
     std::vector<float> scores;

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "balance.h"
 #include "simd.h"
 
 namespace sluice {
@@ -208,29 +209,33 @@ void paged_decode_avx512(const float* q, int64_t b, int64_t h, int64_t d, const 
                          int64_t block_size, int64_t hkv, const int64_t* tables, int64_t max_blocks,
                          const int64_t* lens, float scale, float* out) {
   const int64_t g = h / hkv, token_stride = hkv * d, block_stride = block_size * hkv * d;
-  // A job is a whole sequence (its rows are read once, in order) unless that leaves a thread idle.
-  const int64_t split = b >= 2 * at::get_num_threads() ? 1 : hkv;
-  at::parallel_for(0, b * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<const KV*> krows, vrows, shifted;
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t seq = job / split, len = lens[seq];
-      const int64_t kv0 = split == 1 ? 0 : job % split, kv1 = split == 1 ? hkv : kv0 + 1;
-      const int64_t* table = tables + seq * max_blocks;
-      krows.resize(static_cast<size_t>(len));
-      vrows.resize(static_cast<size_t>(len));
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t at = table[t / block_size] * block_stride + (t % block_size) * token_stride;
-        krows[t] = k_cache + at;
-        vrows[t] = v_cache + at;
-      }
-      scores.resize(static_cast<size_t>(h * len));
-      const float* qs = q + seq * h * d;
-      decode_scores(qs, kv0, kv1, g, d, krows.data(), len, scale, scores.data());
-      for (int64_t j = kv0 * g; j < kv1 * g; ++j) softmax(scores.data() + j * len, len);
-      decode_values(scores.data(), kv0, kv1, g, d, vrows.data(), len, out + seq * h * d, shifted);
-    }
-  });
+  // Items are (sequence, KV head) pairs, costing their context length (plus a fixed part), handed out by
+  // cost: contexts of mixed lengths split by count left one thread waiting for the other. A thread walks
+  // the heads of a sequence it holds together, reading each row once, in order.
+  parallel_for_by_cost(
+      b * hkv, [&](int64_t item) { return lens[item / hkv] + 16; },
+      [&](int64_t begin, int64_t end) {
+        std::vector<float> scores;
+        std::vector<const KV*> krows, vrows, shifted;
+        for (int64_t item = begin; item < end;) {
+          const int64_t seq = item / hkv, len = lens[seq];
+          const int64_t kv0 = item % hkv, kv1 = std::min<int64_t>(hkv, kv0 + (end - item));
+          item += kv1 - kv0;
+          const int64_t* table = tables + seq * max_blocks;
+          krows.resize(static_cast<size_t>(len));
+          vrows.resize(static_cast<size_t>(len));
+          for (int64_t t = 0; t < len; ++t) {
+            const int64_t at = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+            krows[t] = k_cache + at;
+            vrows[t] = v_cache + at;
+          }
+          scores.resize(static_cast<size_t>(h * len));
+          const float* qs = q + seq * h * d;
+          decode_scores(qs, kv0, kv1, g, d, krows.data(), len, scale, scores.data());
+          for (int64_t j = kv0 * g; j < kv1 * g; ++j) softmax(scores.data() + j * len, len);
+          decode_values(scores.data(), kv0, kv1, g, d, vrows.data(), len, out + seq * h * d, shifted);
+        }
+      });
 }
 #endif
 

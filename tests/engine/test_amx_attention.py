@@ -191,3 +191,21 @@ def test_the_plan_hands_prefills_to_the_kernel_only_in_fp32() -> None:
     assert AttentionPlan.from_batch(batch, decode_kernel=True).prefill_kernel is None
     bf16 = AttentionPlan.from_batch(batch, decode_kernel=True, prefill_dtype=torch.bfloat16, prefill_kernel=True)
     assert bf16.prefill_kernel is None
+
+
+@needs_amx
+def test_how_the_work_is_split_over_threads_changes_no_bit() -> None:
+    """Row tiles go to the threads by the keys they see (kernels/balance.h), a tile whole to one thread: a step of
+    chunks of very different contexts gives the same bits on one thread as on several."""
+    q, kc, vc, chunks = _case(9, 3, 64, [(256, 900), (3, 3), (40, 300), (256, 256), (1, 700)], seed=5)
+    threads = torch.get_num_threads()
+    several = torch.zeros_like(q)
+    _kernel(q, kc, vc, chunks, several)
+    one = torch.zeros_like(q)
+    torch.set_num_threads(1)
+    try:
+        _kernel(q, kc, vc, chunks, one)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(several, one)
+    assert several.abs().sum() > 0

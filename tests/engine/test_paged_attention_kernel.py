@@ -77,3 +77,37 @@ def test_bad_tables_are_errors_not_crashes() -> None:
         kernels.paged_decode_attention(q, cache, cache, torch.tensor([[9]]), torch.tensor([3]), 1.0)
     with pytest.raises(RuntimeError, match="context length"):
         kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([17]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_how_the_work_is_split_over_threads_changes_no_bit(dtype: torch.dtype) -> None:
+    """The kernel hands (sequence, KV head) items to the threads by context length (kernels/balance.h), so on
+    mixed lengths a range can end inside a sequence. Each item is still computed whole by one thread: a batch
+    gives the same bits on one thread as on several, and as each of its sequences alone."""
+    kernels = cpu_kernels()
+    assert kernels is not None
+    if dtype == torch.bfloat16 and not getattr(kernels, "BF16_KV_CACHE", False):
+        pytest.skip("a bf16 cache needs the AVX-512 build")
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    lens = [900, 3, 40, 700, 5, 1, 300, 17]
+    num_blocks = sum(-(-n // bs) for n in lens) + 4
+    k_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    q = torch.randn(len(lens), heads, d, generator=g) * 3
+    run = lambda rows: kernels.paged_decode_attention(  # noqa: E731
+        q[rows].contiguous(), k_cache, v_cache, padded[rows].contiguous(), torch.tensor(lens)[rows], d**-0.5)
+    threads = torch.get_num_threads()
+    batch = run(slice(None))
+    torch.set_num_threads(1)
+    try:
+        one_thread = run(slice(None))
+    finally:
+        torch.set_num_threads(threads)
+    alone = torch.cat([run(slice(i, i + 1)) for i in range(len(lens))])
+    assert torch.equal(batch, one_thread)
+    assert torch.equal(batch, alone)
