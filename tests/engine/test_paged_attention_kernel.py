@@ -99,7 +99,7 @@ def test_how_the_work_is_split_over_threads_changes_no_bit(dtype: torch.dtype) -
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
     q = torch.randn(len(lens), heads, d, generator=g) * 3
-    run = lambda rows: kernels.paged_decode_attention(  # noqa: E731
+    run = lambda rows: kernels.paged_decode_attention(
         q[rows].contiguous(), k_cache, v_cache, padded[rows].contiguous(), torch.tensor(lens)[rows], d**-0.5)
     threads = torch.get_num_threads()
     batch = run(slice(None))
