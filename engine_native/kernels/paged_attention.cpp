@@ -32,13 +32,10 @@ constexpr bool kBf16Cache = false;
 
 namespace {
 
-// s[0..len) <- softmax(s[0..len)) in place.
-void softmax(float* s, int64_t len) {
-  float mx = -INFINITY;
-  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
+// s[t..len) <- e^(s - mx) in place, 8 lanes at a time then one by one; returns vsum's lanes plus all of them,
+// added in that order (softmax16 below relies on the order to give softmax's bits).
+float exp_sum_from(float* s, int64_t t, int64_t len, float mx, __m256 vsum) {
   const __m256 vmx = _mm256_set1_ps(mx);
-  __m256 vsum = _mm256_setzero_ps();
-  int64_t t = 0;
   for (; t + 8 <= len; t += 8) {
     const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
     _mm256_storeu_ps(s + t, e);
@@ -49,7 +46,14 @@ void softmax(float* s, int64_t len) {
     s[t] = std::exp(s[t] - mx);
     sum += s[t];
   }
-  const float inv = 1.0f / sum;
+  return sum;
+}
+
+// s[0..len) <- softmax(s[0..len)) in place.
+void softmax(float* s, int64_t len) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) mx = std::max(mx, s[t]);
+  const float inv = 1.0f / exp_sum_from(s, 0, len, mx, _mm256_setzero_ps());
   for (int64_t i = 0; i < len; ++i) s[i] *= inv;
 }
 
@@ -78,17 +82,7 @@ void softmax16(float* s, int64_t len) {
     vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
     vsum = _mm256_add_ps(vsum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
   }
-  for (; t + 8 <= len; t += 8) {
-    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm512_castps512_ps256(vmx)));
-    _mm256_storeu_ps(s + t, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  float sum = hsum(vsum);
-  for (; t < len; ++t) {
-    s[t] = std::exp(s[t] - mx);
-    sum += s[t];
-  }
-  const float inv = 1.0f / sum;
+  const float inv = 1.0f / exp_sum_from(s, t, len, mx, vsum);
   const __m512 vinv = _mm512_set1_ps(inv);
   t = 0;
   for (; t + 16 <= len; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), vinv));
