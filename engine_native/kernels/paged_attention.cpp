@@ -32,6 +32,11 @@ constexpr bool kBf16Cache = false;
 
 namespace {
 
+// What a (sequence, KV head) item of the decode attention costs, for parallel_for_by_cost: its context
+// length, plus a fixed part for the walk's set-up. Contexts of mixed lengths split by count left one
+// thread waiting for the other.
+inline int64_t item_cost(const int64_t* lens, int64_t hkv, int64_t item) { return lens[item / hkv] + 16; }
+
 // s[t..len) <- e^(s - mx) in place, 8 lanes at a time then one by one; returns vsum's lanes plus all of them,
 // added in that order (softmax16 below relies on the order to give softmax's bits).
 float exp_sum_from(float* s, int64_t t, int64_t len, float mx, __m256 vsum) {
@@ -268,11 +273,10 @@ void paged_decode_avx512(const float* q, int64_t b, int64_t h, int64_t d, const 
                          int64_t block_size, int64_t hkv, const int64_t* tables, int64_t max_blocks,
                          const int64_t* lens, float scale, float* out) {
   const int64_t g = h / hkv, token_stride = hkv * d, block_stride = block_size * hkv * d;
-  // Items are (sequence, KV head) pairs, costing their context length (plus a fixed part), handed out by
-  // cost: contexts of mixed lengths split by count left one thread waiting for the other. A thread walks
-  // the heads of a sequence it holds together, reading each row once, in order.
+  // Items are (sequence, KV head) pairs handed out by cost (item_cost). A thread walks the heads of a
+  // sequence it holds together, reading each row once, in order.
   parallel_for_by_cost(
-      b * hkv, [&](int64_t item) { return lens[item / hkv] + 16; },
+      b * hkv, [&](int64_t item) { return item_cost(lens, hkv, item); },
       [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
         std::vector<const KV*> krows, vrows, shifted;
@@ -310,7 +314,8 @@ void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* 
     return;
   }
 #endif
-  at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t item) { return item_cost(lens, hkv, item); };
+  parallel_for_by_cost(b * hkv, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t seq = job / hkv, kvh = job % hkv, len = lens[seq];
