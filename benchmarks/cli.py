@@ -23,6 +23,7 @@ from benchmarks import (
     serve,
     spike,
     step_profile,
+    step_trace,
     sweep,
     telemetry_overhead,
     tenancy_overhead,
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefix_cache.add_arguments(sub)
     spike.add_arguments(sub)
     step_profile.add_arguments(sub)
+    step_trace.add_arguments(sub)
     sweep.add_arguments(sub)
     ratelimit_admission.add_arguments(sub)
     tenancy_overhead.add_arguments(sub)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -47,6 +48,7 @@ from engine_native.model.base import Tokenizer
 from engine_native.model.bundled import bundled_model_path
 from engine_native.model.loader import load_tokenizer
 from engine_native.sampling_params import SamplingParams
+from engine_native.step_trace import trace_file_name
 from observability.node_health import NodeHealthConfig
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,8 @@ class NativeDriverConfig:
     """Chaos testing: extra sleep after every engine step, by node id, from the start."""
     progress: bool = True
     """Show a progress bar while a model loads."""
+    step_trace_dir: str | None = None
+    """Each engine writes its step trace to `<dir>/<node id>.jsonl` (engine_native/step_trace.py)."""
     node_prefix: str = "node"
     """Engines are nodes `<prefix>-0..N-1`; a second model version on the same host gets its own
     prefix (`<version id>/node`) so that node ids stay unique."""
@@ -88,7 +92,9 @@ class NativeDriverConfig:
         return self.engine.served_model_name or DEFAULT_SERVED_MODEL_NAME
 
     def engine_config(self, index: int) -> EngineConfig:
-        return replace(self.engine, node_id=f"{self.node_prefix}-{index}")
+        node_id = f"{self.node_prefix}-{index}"
+        trace = os.path.join(self.step_trace_dir, trace_file_name(node_id)) if self.step_trace_dir else None
+        return replace(self.engine, node_id=node_id, step_trace_path=trace)
 
     @classmethod
     def from_options(cls, options: EngineOptions) -> NativeDriverConfig:
@@ -119,6 +125,7 @@ class NativeDriverConfig:
         return cls(
             engine=engine,
             fault_step_delay=dict(o.fault_step_delay),
+            step_trace_dir=o.step_trace_dir,
             **overrides(num_engines=o.num_engines, node_health=o.node_health, restart=o.restart),
         )
 

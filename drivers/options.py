@@ -56,6 +56,9 @@ class EngineOptions:
     """KV cache pool of one engine; None: a fraction of free memory (--kv-cache-memory)."""
     enable_prefix_caching: bool | None = None
     """Reuse the KV of shared prefixes (--no-prefix-caching turns it off)."""
+    step_trace_dir: str | None = None
+    """Every native engine appends a JSON line per step to `<dir>/<node id>.jsonl`
+    (engine_native/step_trace.py; read with `sluice bench steps`); None: no trace (--step-trace)."""
     model_memory_budget_bytes: int | None = None
     """Memory all model versions hosted by this server may take together, weights and KV pools
     (estimated from the models' headers); a deploy beyond it is refused. None: the host's physical

@@ -180,3 +180,6 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     cuda_graph_max_context: int = 2048
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Append a JSON line per step to this file (step_trace.py: what each step held and how long it took,
+    # for finding where inter-token time goes); None: no trace.
+    step_trace_path: str | None = None

@@ -39,6 +39,7 @@ from engine_native.sampler import TokenLogprobs, make_generator
 from engine_native.sampling_params import SamplingParams
 from engine_native.scheduler import QueueFullError, Scheduler, TokenUpdate
 from engine_native.sizing import num_kv_blocks, num_swap_blocks
+from engine_native.step_trace import StepRecord, StepTraceWriter
 from engine_native.swap import HostSwapSpace, PreemptionCost, SwapPolicy, copy_blocks
 
 if TYPE_CHECKING:
@@ -169,6 +170,7 @@ class LLMEngine:
         self._recent: deque[_StepRecord] = deque()
         self._last_step_end = time.time()
         self._idle = True  # no work left after the last step: the next one's interval starts with it
+        self.trace = StepTraceWriter(config.step_trace_path) if config.step_trace_path else None
         log.info(
             "engine ready: model=%s device=%s attention=%s dtype=%s max_model_len=%d kv_blocks=%d x %d tokens"
             " swap_blocks=%d preemption=%s",
@@ -221,7 +223,9 @@ class LLMEngine:
         return outputs
 
     def close(self) -> None:
-        """Stop the worker ranks of a tensor-parallel engine (nothing to do for a single process)."""
+        """Stop the worker ranks of a tensor-parallel engine; close the step trace."""
+        if self.trace is not None:
+            self.trace.close()
         if self.group is not None:
             self.group.close()
 
@@ -244,7 +248,9 @@ class LLMEngine:
             copy_blocks(self.host_kv, self.runner.kv_cache, sched.swap_in)
         if sched.is_empty:
             return []
+        forward_started = time.perf_counter()
         result = self.runner.execute(sched, self.kv_cache.block_table)
+        forward_s = time.perf_counter() - forward_started
         updates = self.scheduler.update_from_output(sched, result)
         self.steps += 1
         now = time.time()
@@ -264,6 +270,22 @@ class LLMEngine:
         self._recent.append(_StepRecord(now, len(updates), prompt_tokens, cached_tokens, now - since, backlog))
         self._last_step_end = now
         self._idle = not self.scheduler.has_work
+        if self.trace is not None:
+            decodes = sum(s.is_decode for s in sched.scheduled)
+            self.trace.write(StepRecord(
+                end=now,
+                interval_s=now - since,
+                forward_s=forward_s,
+                decodes=decodes,
+                prefill_tokens=sched.num_batched_tokens - decodes,
+                prefill_seqs=len(sched.scheduled) - decodes,
+                admitted=sum(s.admitted for s in sched.scheduled),
+                cached_tokens=cached_tokens,
+                sampled=len(updates),
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+                preempted=len(sched.preempted_ids),
+            ))
         while self._recent and now - self._recent[0].end > STATS_WINDOW_S:
             self._recent.popleft()
         return [self._process(u, now) for u in updates]

@@ -42,11 +42,20 @@ class ScheduledRequest:
     # Tokens found in the prefix cache when the request was admitted this step (0 otherwise): served
     # without being computed, so the engine's prefill rate counts them (engine.py, stats()).
     num_cached: int = 0
+    # It joined the running set in this step (new, or back after a preemption).
+    admitted: bool = False
 
     @classmethod
-    def of(cls, request: Request, num_new_tokens: int, num_cached: int = 0) -> ScheduledRequest:
+    def of(
+        cls, request: Request, num_new_tokens: int, num_cached: int = 0, admitted: bool = False
+    ) -> ScheduledRequest:
         before = request.num_computed_tokens
-        return cls(request, num_new_tokens, before, before + num_new_tokens == request.num_tokens, num_cached)
+        return cls(request, num_new_tokens, before, before + num_new_tokens == request.num_tokens, num_cached, admitted)
+
+    @property
+    def is_decode(self) -> bool:
+        """One token after the request's prompt: its last sampled one."""
+        return self.samples and self.num_new_tokens == 1 and self.num_computed_before >= self.request.num_prompt_tokens
 
 
 @dataclass
@@ -297,7 +306,7 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest.of(request, n_new, 0 if swapped else start))
+            out.scheduled.append(ScheduledRequest.of(request, n_new, 0 if swapped else start, admitted=True))
             budget -= n_new
 
     def _computing_elsewhere(self, lookup: PrefixLookup, request: Request) -> bool:

@@ -172,6 +172,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         help="do not reuse KV of shared prefixes",
     )
     p.add_argument(
+        "--step-trace", metavar="DIR", default=None,
+        help="every engine appends a JSON line per step to DIR/<node id>.jsonl (what each step held, how long "
+             "it took); summarize one with `sluice bench steps FILE`",
+    )
+    p.add_argument(
         "--synthetic-tokens-per-second",
         type=float,
         default=None,
@@ -320,6 +325,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         kv_cache_memory_bytes=args.kv_cache_memory,
         model_memory_budget_bytes=args.model_memory_budget,
         enable_prefix_caching=args.prefix_caching,
+        step_trace_dir=args.step_trace,
         num_engines=args.engines,
         tensor_parallel_size=args.tensor_parallel_size,
         node_health=health,

@@ -24,6 +24,7 @@ from engine_native.model.bundled import bundled_model_path
 from engine_native.model.loader import load_model
 from engine_native.request import FinishReason
 from engine_native.sampling_params import SamplingParams
+from engine_native.step_trace import read_trace, summarize
 
 NEW_TOKENS = 20
 
@@ -76,10 +77,11 @@ def hf_greedy(prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
 
 
 def make_engine(loaded, *, num_blocks: int = 512, block_size: int = 16, prefix_caching: bool = True,  # type: ignore[no-untyped-def]
-                **sched: int) -> LLMEngine:
+                step_trace_path: str | None = None, **sched: int) -> LLMEngine:
     config = EngineConfig(
         model_path=bundled_model_path(),
         dtype="float32",
+        step_trace_path=step_trace_path,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(**{"max_num_seqs": 16, "max_num_batched_tokens": 512,
                                      "long_prefill_token_threshold": 512, **sched}),
@@ -231,3 +233,28 @@ def test_idle_time_is_not_counted_as_prefill_time(loaded, prompts) -> None:  # t
     computed = engine.prompt_tokens_total - before
     assert computed > 0
     assert engine.stats().prefill_tokens_per_s >= computed / took
+
+
+def test_step_trace_accounts_for_every_step_and_token(loaded, prompts, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The trace a served engine writes (`--step-trace`) is what `sluice bench steps` reads to say which
+    steps make the inter-token tail: every step is in it, and its counts add up to the engine's own."""
+    path = tmp_path / "node-0.jsonl"
+    engine = make_engine(loaded, step_trace_path=str(path), max_num_batched_tokens=48, long_prefill_token_threshold=16)
+    engine.add_request("early", prompts[0], GREEDY)
+    engine.step()
+    engine.step()  # "early" decodes while the others' prompts arrive: steps of both kinds
+    assert run_checked(engine, prompts[1:]) is not None
+    engine.close()
+    steps = read_trace(path)
+    assert len(steps) == engine.steps
+    assert sum(s.prefill_tokens for s in steps) == engine.prompt_tokens_total == sum(len(p) for p in prompts)
+    assert sum(s.sampled for s in steps) == engine.generation_tokens_total == NEW_TOKENS * len(prompts)
+    # every token after a request's first is a decode; the first is sampled by its prompt's last chunk
+    assert sum(s.decodes for s in steps) == (NEW_TOKENS - 1) * len(prompts)
+    assert sum(s.admitted for s in steps) == len(prompts)
+    assert {s.kind for s in steps} == {"prefill", "prefill+decode", "decode"}
+    assert all(0 < s.forward_s <= s.interval_s for s in steps)
+    assert [s.end for s in steps] == sorted(s.end for s in steps)
+    summary = summarize(steps)
+    assert summary.decode_gaps == (NEW_TOKENS - 1) * len(prompts)
+    assert 0 < summary.gap_p50_s <= summary.gap_p99_s

@@ -53,3 +53,15 @@ def test_the_synthetic_driver_takes_the_knobs_it_has() -> None:
     assert (driver.max_num_seqs, driver.max_waiting, driver.ttft_s) == (5, 6, 0.02)
     defaults = SyntheticDriver.from_options(serve_options([]))
     assert (defaults.max_num_seqs, defaults.max_waiting) == (SchedulerConfig().max_num_seqs, SchedulerConfig().max_waiting)
+
+
+def test_step_trace_gives_each_engine_its_own_file() -> None:
+    config = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--step-trace", "/tmp/traces"]))
+    assert [config.engine_config(i).step_trace_path for i in range(2)] == [
+        "/tmp/traces/node-0.jsonl", "/tmp/traces/node-1.jsonl"
+    ]
+    from dataclasses import replace
+
+    version = replace(config, node_prefix="v2/node")  # a second model version's nodes: no subfolder per version
+    assert version.engine_config(0).step_trace_path == "/tmp/traces/v2_node-0.jsonl"
+    assert NativeDriverConfig.from_options(serve_options([])).engine_config(0).step_trace_path is None

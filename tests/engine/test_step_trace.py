@@ -1,0 +1,57 @@
+"""What a step trace says about the inter-token tail, on traces whose answer is known by hand."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_native.step_trace import StepRecord, StepTraceWriter, read_trace, summarize, weighted_quantile
+
+SLUICE = str(Path(sys.executable).parent / "sluice")
+
+
+def step(interval_s: float, decodes: int, prefill_tokens: int = 0, admitted: int = 0, end: float = 0.0) -> StepRecord:
+    return StepRecord(end=end, interval_s=interval_s, forward_s=interval_s * 0.9, decodes=decodes,
+                      prefill_tokens=prefill_tokens, prefill_seqs=admitted, admitted=admitted, cached_tokens=0,
+                      sampled=decodes + admitted, running=decodes + admitted, waiting=0, preempted=0)
+
+
+def test_weighted_quantile_counts_each_value_by_its_weight() -> None:
+    assert weighted_quantile([1.0, 2.0, 3.0], [1, 1, 1], 0.5) == 2.0
+    assert weighted_quantile([1.0, 9.0], [99, 1], 0.99) == 1.0
+    assert weighted_quantile([1.0, 9.0], [98, 2], 0.99) == 9.0
+    assert weighted_quantile([5.0, 1.0], [0, 3], 1.0) == 1.0  # weight 0: no stream saw it
+    assert weighted_quantile([], [], 0.5) == 0.0
+
+
+def test_the_tail_is_the_prefill_steps_that_held_the_decodes() -> None:
+    # 100 decode steps of 32 streams at 50 ms, then two 500 ms steps that prefilled 1,024 prompt tokens
+    # beside 20 decodes each: 40 of 3,240 gaps (1.2%) are 500 ms, so the p99 is one of them.
+    trace = [step(0.05, 32) for _ in range(100)] + [step(0.5, 20, 1024, admitted=8) for _ in range(2)]
+    s = summarize(trace)
+    assert (s.steps, s.decode_gaps) == (102, 3240)
+    assert (s.gap_p50_s, s.gap_p99_s) == (0.05, 0.5)
+    assert s.tail_kinds == {"prefill+decode": 40}
+    assert (s.tail_mean_prefill_tokens, s.tail_mean_admitted) == (1024, 8)
+    by_kind = {k.kind: k for k in s.kinds}
+    assert by_kind["decode"].steps == 100 and by_kind["prefill+decode"].mean_prefill_tokens == 1024
+    assert by_kind["decode"].loop_share == pytest.approx(0.1)
+    # with only 20 such gaps (one step), the p99 is a decode step's
+    assert summarize(trace[:-1]).gap_p99_s == 0.05
+
+
+def test_written_traces_read_back_and_summarize_from_the_cli(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "traces" / "node-0.jsonl"
+    writer = StepTraceWriter(path)
+    records = [step(0.05, 4, end=float(i)) for i in range(10)] + [step(0.4, 4, 300, admitted=2, end=10.0)]
+    for r in records:
+        writer.write(r)
+    writer.close()
+    assert read_trace(path) == records
+    out = subprocess.run([SLUICE, "bench", "steps", str(path), "--since", "5", "--json-out", str(tmp_path / "s.json")],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "6 steps" in out and "prefill+decode 4" in out, out  # steps ending at 5..10; the 0.4 s step's 4 gaps
+    assert (tmp_path / "s.json").exists()
