@@ -44,6 +44,9 @@ class EngineOptions:
     """Token budget of one engine step (--max-num-batched-tokens)."""
     long_prefill_token_threshold: int | None = None
     """Largest prefill chunk of one request per step (--long-prefill-token-threshold)."""
+    wave_budget_factor: int | None = None
+    """Times the step budget a step may take while at most one request decodes and requests wait; 1: off
+    (--wave-budget-factor)."""
     prefill_tokens_beside_decodes: int | None = None
     """Prompt tokens a step computes while streams decode; 0: no cap (--prefill-tokens-beside-decodes)."""
     max_waiting: int | None = None

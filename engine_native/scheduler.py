@@ -194,7 +194,7 @@ class Scheduler:
 
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self._step_budget()
         # Most important first, so the tail holds the preemption victims.
         self.running.sort(key=_victim_order)
 
@@ -240,6 +240,14 @@ class Scheduler:
         if not out.preempted_ids:
             self._admit_waiting(out, min(budget, prefill_left))
         return out
+
+    def _step_budget(self) -> int:
+        """`max_num_batched_tokens`, or `wave_budget_factor` times it while requests wait and at most one
+        running request decodes: the start of a wave, whose bigger step stalls one stream at most."""
+        budget = self.config.max_num_batched_tokens
+        if self.config.wave_budget_factor > 1 and len(self.waiting) and sum(map(_decodes, self.running)) <= 1:
+            return budget * self.config.wave_budget_factor
+        return budget
 
     def _prefill_allowance(self, budget: int) -> int:
         """Prompt tokens this step may compute: all of the budget, unless requests are decoding and

@@ -161,6 +161,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         help="largest prefill chunk of one request per step (lower: steadier decode latency); default: the engine's",
     )
     p.add_argument(
+        "--wave-budget-factor",
+        type=int,
+        default=None,
+        help="times the step budget a step may take while at most one request decodes and requests wait "
+             "(a burst then starts in one step), 1: off; default: the engine's",
+    )
+    p.add_argument(
         "--prefill-tokens-beside-decodes",
         type=int,
         default=None,
@@ -319,6 +326,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        wave_budget_factor=args.wave_budget_factor,
         prefill_tokens_beside_decodes=args.prefill_tokens_beside_decodes,
         max_waiting=args.max_waiting,
         max_waiting_tokens=args.max_waiting_tokens,

@@ -33,7 +33,8 @@ def fake_run(sched: SchedulerOutput, eos_at: dict[str, int] | None = None) -> Ru
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, **cfg: int) -> Scheduler:
     config = SchedulerConfig(
-        **{"max_num_seqs": 8, "max_num_batched_tokens": 32, "long_prefill_token_threshold": 16, **cfg}
+        **{"max_num_seqs": 8, "max_num_batched_tokens": 32, "long_prefill_token_threshold": 16,
+           "wave_budget_factor": 1, **cfg}
     )
     return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len=4096)
 
@@ -191,6 +192,37 @@ def test_a_backlog_of_prompts_lifts_the_cap_to_a_share_of_itself() -> None:
     drain(s)
     for r in first + late:
         assert r.output_token_ids == [token_for(r, k) for k in range(60)]
+
+
+def test_a_wave_reaching_an_engine_with_at_most_one_decode_takes_the_wave_budget() -> None:
+    """The burst pattern of a closed loop at 32 streams: one prompt arrives first and is computed alone,
+    the other 31 arrive during that step. At most one stream decodes, so the step may take twice the
+    budget and the 31 start together; with two decoding streams the plain budget holds again."""
+    s = make_scheduler(num_blocks=4096, max_num_seqs=64, max_num_batched_tokens=2048,
+                       long_prefill_token_threshold=256, wave_budget_factor=2)
+    first = make_request("first", 128, max_tokens=20)
+    s.add_request(first)
+    run_step(s)  # alone: it decodes from now on
+    wave = [make_request(f"w{i}", 128, max_tokens=20, arrival=1.0) for i in range(31)]
+    for r in wave:
+        s.add_request(r)
+    sched = run_step(s)
+    assert sched.num_batched_tokens == 1 + 31 * 128 > 2048
+    assert all(r.num_output_tokens == 1 for r in wave)  # every first token from one step
+    later = [make_request(f"l{i}", 128, max_tokens=20, arrival=2.0) for i in range(31)]
+    for r in later:
+        s.add_request(r)
+    assert run_step(s).num_batched_tokens <= 2048  # 32 streams decode: the plain budget
+    off = make_scheduler(num_blocks=4096, max_num_seqs=64, max_num_batched_tokens=2048,
+                         long_prefill_token_threshold=256, wave_budget_factor=1)
+    off.add_request(make_request("first", 128, max_tokens=20))
+    run_step(off)
+    for i in range(31):
+        off.add_request(make_request(f"w{i}", 128, max_tokens=20, arrival=1.0))
+    assert run_step(off).num_batched_tokens <= 2048
+    drain(s)
+    for r in [first, *wave, *later]:
+        assert r.output_token_ids == [token_for(r, k) for k in range(20)]
 
 
 def test_preemption_by_recompute_keeps_outputs_exact() -> None:

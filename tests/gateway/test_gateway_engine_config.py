@@ -37,6 +37,8 @@ def test_environment_then_flags_reach_every_engine() -> None:
         assert e.model_path == "/m.gguf"
     flag_wins = NativeDriverConfig.from_options(serve_options(["--max-waiting", "11"], env))
     assert flag_wins.engine.scheduler.max_waiting == 11
+    wave = NativeDriverConfig.from_options(serve_options(["--wave-budget-factor", "1"]))
+    assert wave.engine.scheduler.wave_budget_factor == 1
     kv = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--prefill-attention-dtype", "kv"]))
     assert [kv.engine_config(i).prefill_attention_dtype for i in range(2)] == ["kv", "kv"]
 
