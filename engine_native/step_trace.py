@@ -12,6 +12,7 @@ prints the summary below. Tracing costs a small write per step (a few microsecon
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -43,22 +44,37 @@ class StepRecord(msgspec.Struct, frozen=True):
 
 
 _encoder = msgspec.json.Encoder()
+log = logging.getLogger(__name__)
 
 
 class StepTraceWriter:
     """Appends records to a file, one JSON object a line, flushed per step so that a trace read
-    while the server runs (or after it was killed) is whole up to its last step."""
+    while the server runs (or after it was killed) is whole up to its last step. A file that cannot
+    be opened fails the engine's start; one that fails later (a full disk) stops the trace, not the
+    engine: it is a diagnostic."""
 
     def __init__(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[bytes] = open(path, "ab")  # noqa: SIM115 - held for the engine's life, closed in close()
+        self.path = Path(path)
+        self._file: IO[bytes] | None = open(path, "ab")  # noqa: SIM115 - held for the engine's life, closed in close()
 
     def write(self, record: StepRecord) -> None:
-        self._file.write(_encoder.encode(record) + b"\n")
-        self._file.flush()
+        if self._file is None:
+            return
+        try:
+            self._file.write(_encoder.encode(record) + b"\n")
+            self._file.flush()
+        except OSError as exc:
+            log.warning("step trace %s stopped: %s", self.path, exc)
+            self.close()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
 
 
 def read_trace(path: str | Path) -> list[StepRecord]:

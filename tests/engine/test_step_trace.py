@@ -55,3 +55,13 @@ def test_written_traces_read_back_and_summarize_from_the_cli(tmp_path) -> None: 
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert "6 steps" in out and "prefill+decode 4" in out, out  # steps ending at 5..10; the 0.4 s step's 4 gaps
     assert (tmp_path / "s.json").exists()
+
+
+def test_a_trace_that_cannot_be_written_stops_without_stopping_the_engine(caplog) -> None:  # type: ignore[no-untyped-def]
+    writer = StepTraceWriter("/dev/full")  # every write to it fails with ENOSPC, as on a full disk
+    writer.write(step(0.05, 4))
+    writer.write(step(0.05, 4))  # no second failure: the trace has stopped
+    writer.close()
+    assert [r.getMessage() for r in caplog.records if "step trace" in r.getMessage()] == [
+        "step trace /dev/full stopped: [Errno 28] No space left on device"
+    ]
