@@ -29,8 +29,8 @@ install-gpu: setup
 	$(PY) -m pip install --force-reinstall --index-url $(TORCH_INDEX) torch==2.13.0
 	$(PY) -m pip install -e '.[gpu]'
 
-# The wheels scripts/gpu_check.sh installs on a GPU machine that reaches no registry (into .whl/).
-gpu-wheels:
+# The wheels (and the tokenizer) scripts/gpu_check.sh installs on a GPU machine that reaches no registry (into .whl/).
+gpu-wheels: setup
 	PYTHON=$(PY) scripts/gpu_wheels.sh
 
 serve: setup

@@ -1,10 +1,11 @@
 """Engine throughput on a GPU at 1 / 32 / 256 concurrent streams, in one process (scripts/gpu_check.sh).
 
-The model is SmolLM2-135M's shape with random weights, saved as a Hugging Face folder on the spot:
-the bundled GGUF file is too big to carry to a bare GPU machine, and throughput depends on the
-shape, not on the values. Each run submits N requests of `--prompt-len` random tokens at once and
-forces `--output-len` tokens each (`ignore_eos`); it reports output tokens per second over the
-whole run (prefill included) and the mean time per decode step once every stream is decoding.
+The model is SmolLM2-135M's shape with random weights, saved as a Hugging Face folder on the spot
+(benchmarks/random_model.py): the bundled GGUF file is too big to carry to a bare GPU machine, and
+throughput depends on the shape, not on the values. Each run submits N requests of `--prompt-len`
+random tokens at once and forces `--output-len` tokens each (`ignore_eos`); it reports output tokens
+per second over the whole run (prefill included) and the mean time per decode step once every
+stream is decoding. An in-process figure: scripts/gpu_check.sh also measures the served one.
 
     python -m benchmarks.gpu_throughput --device cuda --out figures.json
 """
@@ -21,25 +22,11 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch
 
+from benchmarks.random_model import save_random_model
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_native.engine import LLMEngine
 from engine_native.sampling_params import SamplingParams
-
-SMOLLM2_135M: dict[str, Any] = dict(  # noqa: C408
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5,
-)
-
-
-def save_random_model(path: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**SMOLLM2_135M, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
-    model: Any = LlamaForCausalLM(cfg)
-    model.to(torch.bfloat16).save_pretrained(path)
 
 
 def run_streams(engine: LLMEngine, streams: int, prompt_len: int, output_len: int, seed: int) -> dict[str, Any]:

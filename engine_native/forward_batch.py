@@ -85,10 +85,10 @@ class KVCache:
     ) -> KVCache:
         """`pin_memory`: page-locked host memory, for a host pool that a GPU copies to and from."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        if pin_memory:
+        if pin_memory:  # allocated page-locked, not copied into it: the default host pool is 4 GiB
             return cls(
-                k=[torch.zeros(shape, dtype=dtype).pin_memory() for _ in range(num_layers)],
-                v=[torch.zeros(shape, dtype=dtype).pin_memory() for _ in range(num_layers)],
+                k=[torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(num_layers)],
+                v=[torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(num_layers)],
             )
         return cls(
             k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],

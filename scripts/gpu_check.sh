@@ -2,15 +2,18 @@
 # The engine on a GPU, proven in one run of under 10 minutes on a bare GPU machine (an H200 lent
 # through the device tool: its image has CUDA torch, transformers, pytest; nothing can be fetched).
 #
-#   here:   scripts/gpu_wheels.sh                      # msgspec + gguf wheels into .whl/ (git-ignored)
+#   here:   make gpu-wheels       # the engine's and the gateway's wheels + the tokenizer into .whl/ (git-ignored)
 #   device: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
 #
 # 1. installs what the image lacks: the wheels in .whl/ if carried, else from a registry if one answers;
 # 2. runs the engine's parity tests on CUDA (tests/engine/test_gpu_parity.py: greedy vs Hugging Face in
 #    fp32 and bf16, sdpa and flashinfer backends, CUDA graphs on and off, swap-to-host), plus the CPU
 #    tests of the same seams;
-# 3. runs the throughput benchmark at 1 / 32 / 256 streams, with CUDA graphs and eagerly.
-# Figures land in $OUT (gpu_check.txt: the summary; gpu_throughput*.json; gpu_check.log: everything).
+# 3. runs the in-process throughput benchmark at 1 / 32 / 256 streams with CUDA graphs;
+# 4. serves the same model (`sluice serve --device cuda`) and measures it with `sluice bench serve` from
+#    another process at 1 / 32 / 256 concurrent streams, 2 rounds (scripts/gpu_serve_bench.sh);
+# 5. runs the in-process benchmark again eagerly (no graphs), if time is left.
+# Figures land in $OUT (gpu_check.txt: the summary; gpu_throughput*.json; served_*.json; gpu_check.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -50,14 +53,27 @@ timeout 270 "$PY" -m pytest -q -s -p no:cacheprovider -o addopts="" \
     | tee -a "$SUMMARY"
 note "parity exit: ${PIPESTATUS[0]}"
 
-# --- 3. throughput -------------------------------------------------------------------------------
-for mode in graphs eager; do
-    left=$((570 - ($(date +%s) - started)))
-    if [ "$left" -lt 60 ]; then note "throughput ($mode): skipped, ${left}s left"; continue; fi
-    flag=""; [ "$mode" = eager ] && flag="--no-graphs"
-    note "== throughput ($mode): 1 / 32 / 256 streams x (128 prompt + 128 output), SmolLM2-135M shape, bf16"
+# --- 3.-5. throughput, in process and served ---------------------------------------------------------
+in_process() {  # graphs | eager
+    local left=$((570 - ($(date +%s) - started))) flag=""
+    if [ "$left" -lt 60 ]; then note "throughput ($1): skipped, ${left}s left"; return; fi
+    [ "$1" = eager ] && flag="--no-graphs"
+    note "== throughput in process ($1): 1 / 32 / 256 streams x (128 prompt + 128 output), SmolLM2-135M shape, bf16"
     timeout $((left - 30)) "$PY" -m benchmarks.gpu_throughput --device cuda --streams 1 32 256 $flag \
-        --out "$OUT/gpu_throughput_$mode.json" 2>&1 | tee -a "$LOG" | grep -E '^\{' | tee -a "$SUMMARY"
-    note "throughput ($mode) exit: ${PIPESTATUS[0]}"
-done
+        --out "$OUT/gpu_throughput_$1.json" 2>&1 | tee -a "$LOG" | grep -E '^\{' | tee -a "$SUMMARY"
+    note "throughput ($1) exit: ${PIPESTATUS[0]}"
+}
+in_process graphs
+left=$((570 - ($(date +%s) - started)))
+if [ "$left" -lt 120 ]; then
+    note "served: skipped, ${left}s left"
+elif ! "$PY" -c "import litestar, sqlalchemy, gateway.cli" >>"$LOG" 2>&1 || [ ! -f .whl/smollm2-tokenizer/tokenizer.json ]; then
+    note "served: skipped, the gateway's packages or .whl/smollm2-tokenizer are missing (make gpu-wheels)"
+else
+    note "== served: sluice serve --device cuda, sluice bench serve 128/128 --ignore-eos, 1 / 32 / 256 concurrent, 2 rounds"
+    OUT=$OUT PYTHON=$PY timeout $((left - 60)) bash scripts/gpu_serve_bench.sh 2>&1 | tee -a "$LOG" \
+        | grep -E '^\{|engine ready|exited|not ready' | tee -a "$SUMMARY"
+    note "served exit: ${PIPESTATUS[0]}"
+fi
+in_process eager
 note "== done in $(($(date +%s) - started)) s"
