@@ -57,6 +57,18 @@ def run_streams(engine: LLMEngine, streams: int, prompt_len: int, output_len: in
     }
 
 
+def engine_config(device: str, dtype: str, backend: str, model_dir: Path, max_streams: int, max_model_len: int,
+                  graphs: bool = True) -> EngineConfig:
+    """An engine that takes `max_streams` at once, prefills 2,048 tokens a step, never reuses a prefix."""
+    return EngineConfig(
+        model_path=str(model_dir), dtype=dtype, device=device, attention_backend=backend, max_model_len=max_model_len,
+        cuda_graph_batch_sizes=EngineConfig.cuda_graph_batch_sizes if graphs else (),
+        cache=CacheConfig(enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=max_streams, max_num_batched_tokens=max(2048, max_streams),
+                                  long_prefill_token_threshold=2048, max_waiting=max_streams + 8),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -74,15 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         save_random_model(model_dir)
     results: dict[str, Any] = {"device": args.device, "dtype": args.dtype, "graphs": not args.no_graphs,
                                "prompt_len": args.prompt_len, "output_len": args.output_len, "runs": []}
-    max_streams = max(args.streams)
-    config = EngineConfig(
-        model_path=str(model_dir), dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-        max_model_len=args.prompt_len + args.output_len + 16,
-        cuda_graph_batch_sizes=() if args.no_graphs else EngineConfig.cuda_graph_batch_sizes,
-        cache=CacheConfig(enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=max_streams, max_num_batched_tokens=max(2048, max_streams),
-                                  long_prefill_token_threshold=2048, max_waiting=max_streams + 8),
-    )
+    config = engine_config(args.device, args.dtype, args.attention_backend, model_dir, max(args.streams),
+                           args.prompt_len + args.output_len + 16, graphs=not args.no_graphs)
     t0 = time.perf_counter()
     engine = LLMEngine(config, progress=False)  # it loads the weights in the dtype it computes in there
     results["start_s"] = round(time.perf_counter() - t0, 2)

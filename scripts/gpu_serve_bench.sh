@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The served figure on a GPU: `sluice serve --no-auth --device cuda` with SmolLM2-135M's shape (random
 # weights, the real tokenizer: benchmarks/random_model.py), measured by `sluice bench serve` from another
-# process, 128 in / 128 out, --ignore-eos, at each concurrency of $CONCURRENCY, $ROUNDS rounds each.
+# process, 128 in / 128 out, --ignore-eos, 2 x C prompts at each concurrency C of $CONCURRENCY, $ROUNDS rounds.
 # scripts/gpu_check.sh calls it; DEVICE=cpu runs the same thing here, to check the script.
 #
 #   TOKENIZER=.whl/smollm2-tokenizer OUT=/tmp/served scripts/gpu_serve_bench.sh
@@ -48,18 +48,21 @@ bench 8 16 /tmp/served_warmup.json  # first kernels, allocator; not reported
 grep -m1 "engine ready" "$OUT/served_server.log" | sed 's/.*engine ready/engine ready/'
 for round in $(seq 1 "$ROUNDS"); do
     for c in $CONCURRENCY; do
-        prompts=$((c * 4)); [ "$prompts" -lt 16 ] && prompts=16
-        f="$OUT/served_c${c}_r${round}.json"
+        prompts=$((c * 2)); [ "$prompts" -lt 8 ] && prompts=8
+        f="/tmp/served_c${c}_r${round}.json"
         if bench "$c" "$prompts" "$f"; then
-            "$PY" - "$f" "$c" "$round" <<'PY'
+            # A summary line on stdout; the whole result, as one line, in $OUT/served.jsonl.
+            "$PY" - "$f" "$c" "$round" "$OUT/served.jsonl" <<'PY'
 import json, os, sys
 r = json.load(open(sys.argv[1]))
+tag = {"concurrency": int(sys.argv[2]), "round": int(sys.argv[3]), "load_avg_1m": round(os.getloadavg()[0], 2)}
 print(json.dumps({
-    "concurrency": int(sys.argv[2]), "round": int(sys.argv[3]), "load_avg_1m": round(os.getloadavg()[0], 2),
-    "completed": r["completed"], "failed": r["failed"], "output_tok_per_s": round(r["output_throughput"], 1),
+    **tag, "completed": r["completed"], "failed": r["failed"], "output_tok_per_s": round(r["output_throughput"], 1),
     "ttft_p50_ms": round(r["ttft_ms"]["p50"], 1), "tpot_p50_ms": round(r["tpot_ms"]["p50"], 2),
     "itl_p99_ms": round(r["itl_ms"]["p99"], 2),
 }))
+with open(sys.argv[4], "a") as out:
+    out.write(json.dumps({**tag, **r}) + "\n")
 PY
         else
             echo "{\"concurrency\": $c, \"round\": $round, \"error\": \"bench failed\"}"
