@@ -18,6 +18,11 @@ the raw numbers are also the same for greedy and sampled requests.
 Reproducibility: a seeded row draws its one uniform per step only from its own
 `torch.Generator`, and every other stage is row-wise, so a seeded request gets
 the same tokens whatever else shares the batch and whatever row it is in.
+
+Device: the sampler runs where the logits are. On a GPU (device_runner.py) the
+[S, V] logits never cross to the host: only the S token ids (and any logprobs
+asked for) do; the uniforms are drawn on the host (the generators live there)
+and cross the other way, S floats.
 We draw by inverse CDF (cumsum + searchsorted) rather than an exponential race
 (argmax(p / q), q ~ Exp(1)): the race needs V random numbers per row per step,
 which on CPU cost more than the rest of the pipeline together.
@@ -61,11 +66,11 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator for one request; it must live on the device the logits live on."""
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A host generator for one request: its uniforms are drawn on the host whatever the logits' device."""
     if seed is None:
         return None
-    generator = torch.Generator(device=device)
+    generator = torch.Generator()
     generator.manual_seed(seed)
     return generator
 
@@ -285,15 +290,18 @@ def _truncates(params: SamplingParams) -> bool:
 
 
 def _uniforms(rows: list[SamplingInput], device: torch.device) -> torch.Tensor:
-    """u ~ U[0, 1) per row, [R, 1]; seeded rows draw theirs from their own generator."""
-    uniforms = torch.empty(len(rows), 1, device=device)
+    """u ~ U[0, 1) per row, [R, 1]; seeded rows draw theirs from their own generator.
+
+    Drawn on the host whatever the logits' device, then moved there in one copy: the generators are
+    host ones, and a seeded request gets the same uniforms, so the same tokens, on a CPU and a GPU."""
+    uniforms = torch.empty(len(rows), 1)
     unseeded = [j for j, r in enumerate(rows) if r.generator is None]
     if unseeded:
-        uniforms[_index(unseeded, device)] = torch.rand(len(unseeded), 1, device=device)
+        uniforms[_index(unseeded, uniforms.device)] = torch.rand(len(unseeded), 1)
     for j, row in enumerate(rows):
         if row.generator is not None:
-            uniforms[j] = torch.rand(1, generator=row.generator, device=device)
-    return uniforms
+            uniforms[j] = torch.rand(1, generator=row.generator)
+    return uniforms.to(device)
 
 
 def _draw(probs: torch.Tensor, rows: list[SamplingInput]) -> torch.Tensor:
