@@ -15,7 +15,8 @@
 # 5. runs the in-process benchmark again eagerly (no graphs), if time is left.
 # Figures land in $OUT (gpu_check.txt: the summary; gpu_throughput_*.json; served.jsonl; gpu_check.log).
 # STAGES picks the stages after the install (default "parity graphs served eager"); "profile" adds
-# benchmarks/gpu_step_profile.py at 1 / 32 / 256 streams (profile_N.txt: torch.profiler and cProfile).
+# benchmarks/gpu_step_profile.py at $PROFILE_STREAMS (default 1 32 256) streams (profile_N.txt: torch.profiler
+# and cProfile). BUDGET_S (570) bounds the stages' seconds together.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -60,8 +61,9 @@ if stage parity; then
     note "parity exit: ${PIPESTATUS[0]}"
 fi
 if stage profile; then
-    note "== profile: decode steps at 1 / 32 / 256 streams (profile_N.txt)"
-    timeout 200 "$PY" -m benchmarks.gpu_step_profile --device cuda --streams 1 32 256 --out-dir "$OUT" 2>&1 \
+    note "== profile: decode steps at ${PROFILE_STREAMS:-1 32 256} streams (profile_N.txt)"
+    # shellcheck disable=SC2086
+    timeout 200 "$PY" -m benchmarks.gpu_step_profile --device cuda --streams ${PROFILE_STREAMS:-1 32 256} --out-dir "$OUT" 2>&1 \
         | tee -a "$LOG" | grep "^==" | tee -a "$SUMMARY"
     note "profile exit: ${PIPESTATUS[0]}"
 fi
@@ -89,6 +91,7 @@ else
     OUT=$OUT PYTHON=$PY ROUNDS=${ROUNDS:-2} timeout $((left - 60)) bash scripts/gpu_serve_bench.sh 2>&1 | tee -a "$LOG" \
         | grep -E '^\{|engine ready|exited|not ready' | tee -a "$SUMMARY"
     note "served exit: ${PIPESTATUS[0]}"
+    cat "$OUT/served_client.log" >>"$LOG" 2>/dev/null; rm -f "$OUT/served_client.log"  # fewer files come back
 fi
 stage eager && in_process eager
 note "== done in $(($(date +%s) - started)) s"
