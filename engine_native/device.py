@@ -5,9 +5,9 @@ picks the dtype, sizing.py reads /proc/meminfo). On CUDA the weights are bf16 un
 otherwise, the quantized CPU blocks (and the C++ kernels) are off, and the KV pool is a fraction
 of the device memory still free once the weights are there.
 
-The CUDA paths are written against PyTorch's documented API and are unproven until a GPU run
-(scripts/gpu_check.sh); everything here that can run without a GPU is tested on CPU, with the
-availability and memory-info functions injected rather than patched.
+The CUDA paths run on a GPU only in scripts/gpu_check.sh (first on an H200, 2026-12-04; CI has no
+GPU); everything here that can run without a GPU is tested on CPU, with the availability and
+memory-info functions injected rather than patched.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The engine on a GPU, proven in one run of under 10 minutes on a bare GPU machine (an H200 lent
-# through the device tool: its image has CUDA torch, transformers, pytest; nothing can be fetched).
+# The engine on a GPU, proven in one run of under 10 minutes on a bare GPU machine (e.g. an image with a
+# CUDA build of torch, transformers and pytest, from which nothing can be fetched).
 #
-#   here:   make gpu-wheels       # the engine's and the gateway's wheels + the tokenizer into .whl/ (git-ignored)
-#   device: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#   where a registry answers:  make gpu-wheels   # the engine's and the gateway's wheels + the tokenizer into .whl/
+#   on the GPU machine, in a copy of the checkout with .whl/ in it:  bash scripts/gpu_check.sh
 #
 # 1. installs what the image lacks: the wheels in .whl/ if carried, else from a registry if one answers;
 # 2. runs the engine's parity tests on CUDA (tests/engine/test_gpu_parity.py: greedy vs Hugging Face in

@@ -11,8 +11,8 @@ A backend is chosen once at start (`build_attention_backend`) and set on the mod
 | `sdpa`       | CPU or CUDA | torch SDPA over each sequence's blocks gathered into one tensor; a pure-decode step does no host work, so it can be captured in a CUDA graph (cuda_graphs.py) |
 | `flashinfer` | CUDA        | FlashInfer's paged prefill / decode wrappers, which read the pool in place (its NHD layout is ours) |
 
-`sdpa` is tested on CPU against `native` (same greedy output in fp32); `flashinfer` is unproven
-until a GPU run (scripts/gpu_check.sh).
+`sdpa` is tested on CPU against `native` (same greedy output in fp32) and on CUDA against Hugging Face
+(scripts/gpu_check.sh, on an H200); `flashinfer` has not run on a GPU yet (that machine lacked it).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class SdpaAttention:
         return SdpaStep(batch)
 
 
-# ----- flashinfer: paged wrappers, unproven until a GPU run ---------------------------------
+# ----- flashinfer: paged wrappers, not yet run on a GPU --------------------------------------
 
 FLASHINFER_WORKSPACE_BYTES = 128 * 1024**2
 
