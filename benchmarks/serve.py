@@ -168,7 +168,15 @@ async def _one(
                     if event["usage"].get("prompt_tokens") is not None:
                         record.prompt_tokens = int(event["usage"]["prompt_tokens"])
     except httpx.HTTPError as exc:
-        record.failure, record.error = "transport error", f"{type(exc).__name__}: {exc}"
+        # httpx's own message is often empty ("ReadError: "): the exception under it and how far the
+        # stream got say whether the connection broke before the response or in the middle of it.
+        root: BaseException = exc
+        while (cause := root.__cause__ or root.__context__) is not None:
+            root = cause
+        same = (type(root).__name__, str(root)) == (type(exc).__name__, str(exc))  # httpcore's twin of httpx's
+        under = "" if same else f" ({type(root).__name__}: {root})"
+        record.failure = "transport error"
+        record.error = f"{type(exc).__name__}: {exc}{under}, status {record.status}, after {chunks} chunks"
         return record
     except (json.JSONDecodeError, KeyError, ValueError, TypeError, AttributeError) as exc:
         record.failure, record.error = "bad event", f"{type(exc).__name__}: {exc}"

@@ -114,3 +114,31 @@ def test_arrivals_at_the_requested_rate() -> None:
     assert times == sorted(times) and times[0] > 0
     assert times[-1] == pytest.approx(50 / 10.0)  # scaled so the rate holds whatever the seed
     assert times == arrival_times(50, 10.0, 1.0, random.Random(0))
+
+
+def test_a_connection_broken_mid_stream_says_how_far_the_stream_got() -> None:
+    """A stand-in that answers one SSE chunk, then resets the connection: a transport error whose detail
+    says the status and the chunks received (and the exception under httpx's, whose message is often empty)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        chunk = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.transport.abort()  # RST, not a clean end of the chunked body
+
+    async def bench() -> Any:
+        stand_in = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = stand_in.sockets[0].getsockname()[1]
+        config = BenchConfig(base_url=f"http://127.0.0.1:{port}", model="m", dataset_name="words", num_prompts=1,
+                             input_len=4, output_len=4, progress=False)
+        async with stand_in:
+            return await run_benchmark(config)
+
+    result = asyncio.run(bench())
+    assert (result.completed, result.failed_by_status) == (0, {"transport error": 1})
+    assert result.errors[0].endswith("status 200, after 1 chunks"), result.errors
