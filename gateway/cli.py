@@ -68,6 +68,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Se
         help="lifetime cap of one generation in seconds (SLUICE_STREAM_TIMEOUT_S)",
     )
     p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=env.keep_alive_timeout_s,
+        help="seconds an idle client connection is kept open; keep it above the clients' and load balancers' "
+        "idle timeouts (SLUICE_KEEP_ALIVE_TIMEOUT_S)",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=env.drain_timeout_s,
@@ -369,6 +376,7 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
         load_shedding=args.load_shedding,
         max_body_bytes=args.max_body_bytes,
         stream_timeout_s=args.stream_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level.upper(),
         auth=args.auth,
@@ -399,6 +407,7 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=5,  # after the drain (gateway/drain.py): only idle connections are left
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # seconds, float too
     )
     drain: Drain = app.state["drain"]
     DrainingServer(config, drain).run()

@@ -61,6 +61,13 @@ class Settings:
     gateway/drain.py."""
     stream_timeout_s: float = 600.0
     """Lifetime cap of one generation, streamed or not; longer ones are aborted (SLUICE_STREAM_TIMEOUT_S)."""
+    keep_alive_timeout_s: float = 75.0
+    """How long an idle client connection is kept open (SLUICE_KEEP_ALIVE_TIMEOUT_S). The server's clock
+    starts when it has written a response, the client's when it has read it: with uvicorn's 5 s, which is
+    also httpx's pool expiry, a client that read a stream ~5 s late (256 streams on one client) reused a
+    connection the server was closing, and its next request died with a reset it never got an answer to.
+    Longer than the clients' and load balancers' idle timeouts (httpx 5 s, aiohttp 15 s, AWS ALB 60 s),
+    as nginx's 75 s is: the side that closes idle connections should be the client."""
     auth: bool = True
     """Tenants, API keys, limits and usage (SLUICE_AUTH=0 turns all of it off: a local dev server)."""
     data_dir: str = "data"
@@ -169,6 +176,7 @@ class Settings:
             log_level=e.get("SLUICE_LOG_LEVEL", d.log_level).upper(),
             max_default_tokens=int(e.get("SLUICE_MAX_DEFAULT_TOKENS", d.max_default_tokens)),
             stream_timeout_s=float(e.get("SLUICE_STREAM_TIMEOUT_S", d.stream_timeout_s)),
+            keep_alive_timeout_s=float(e.get("SLUICE_KEEP_ALIVE_TIMEOUT_S", d.keep_alive_timeout_s)),
             drain_timeout_s=float(e.get("SLUICE_DRAIN_TIMEOUT_S", d.drain_timeout_s)),
             auth=e.get("SLUICE_AUTH", "1").lower() not in ("0", "false", "off", "no"),
             data_dir=e.get("SLUICE_DATA_DIR", d.data_dir),

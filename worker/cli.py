@@ -28,6 +28,8 @@ def add_worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], 
                    help="register and heartbeat in this Redis (SLUICE_FLEET_REDIS_URL); default: none (static lists)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds the requests in flight may run before the worker exits anyway")
+    p.add_argument("--keep-alive-timeout", type=float, default=75.0,
+                   help="seconds an idle gateway connection is kept open (above the gateways' pool expiry)")
     p.add_argument("--stream-interval-ms", type=float, default=0.0,
                    help="least milliseconds between two token frames of a stream (tokens meanwhile share one "
                         "frame); 0: send what is ready whenever the stream is written")
@@ -60,6 +62,7 @@ def _worker(args: argparse.Namespace, env: Settings) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_ttl_s=args.heartbeat_ttl,
         drain_timeout_s=args.drain_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
         stream_interval_s=args.stream_interval_ms / 1000,
         log_level=args.log_level.upper(),
         otlp_endpoint=env.otlp_endpoint,

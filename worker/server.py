@@ -85,6 +85,7 @@ def run_worker(settings: WorkerSettings) -> int:
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn takes seconds, float too
         ssl_keyfile=settings.ssl_keyfile,
         ssl_certfile=settings.ssl_certfile,
     )

@@ -40,6 +40,10 @@ class WorkerSettings:
     ready by then (worker/stream.py)."""
     drain_timeout_s: float = 60.0
     """On SIGTERM, how long requests in flight may finish before they are ended and the worker exits."""
+    keep_alive_timeout_s: float = 75.0
+    """How long an idle gateway connection is kept open: longer than the gateways' pool expiry (httpx's
+    5 s), so the gateway closes idle connections, never the worker under a request (gateway/settings.py
+    says why)."""
     max_body_bytes: int = 8 << 20
     """Largest request body (a tokenized prompt); larger gets 413."""
     log_level: str = "INFO"
