@@ -22,7 +22,6 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
 from benchmarks.random_model import save_random_model
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_native.engine import LLMEngine

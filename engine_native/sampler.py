@@ -18,14 +18,14 @@ the raw numbers are also the same for greedy and sampled requests.
 Reproducibility: a seeded row draws its one uniform per step only from its own
 `torch.Generator`, and every other stage is row-wise, so a seeded request gets
 the same tokens whatever else shares the batch and whatever row it is in.
+We draw by inverse CDF (cumsum + searchsorted) rather than an exponential race
+(argmax(p / q), q ~ Exp(1)): the race needs V random numbers per row per step,
+which on CPU cost more than the rest of the pipeline together.
 
 Device: the sampler runs where the logits are. On a GPU (device_runner.py) the
 [S, V] logits never cross to the host: only the S token ids (and any logprobs
 asked for) do; the uniforms are drawn on the host (the generators live there)
 and cross the other way, S floats.
-We draw by inverse CDF (cumsum + searchsorted) rather than an exponential race
-(argmax(p / q), q ~ Exp(1)): the race needs V random numbers per row per step,
-which on CPU cost more than the rest of the pipeline together.
 
 Cost: top-k and top-p never sort the whole vocabulary. They work on the
 `topk` candidates (top_k, or at most `TOP_P_CANDIDATES` for top-p) and fall back
