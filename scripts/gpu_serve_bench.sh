@@ -17,6 +17,7 @@ MODEL=${MODEL:-/tmp/sluice-smollm2-served}
 TOKENIZER=${TOKENIZER:-.whl/smollm2-tokenizer}
 SERVE_ARGS=${SERVE_ARGS:-}
 mkdir -p "$OUT"
+: >"$OUT/served.jsonl"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 if [ ! -f "$MODEL/tokenizer.json" ]; then
