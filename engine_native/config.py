@@ -176,9 +176,10 @@ class EngineConfig:
     # FlashInfer on CUDA when importable, else "sdpa" (torch SDPA over gathered blocks, which runs anywhere).
     attention_backend: str = "auto"
     # What the native path's prefill attention computes in: "float32" (as the decode kernel computes, so a
-    # request recomputed after preemption or failover keeps its greedy tokens): with a bf16 cache on a CPU
-    # with AMX through Sluice's split-bf16 kernel (kernels/amx_attention.cpp: q and the probabilities as three
-    # bf16 parts each, exact products summed in fp32; 2-3x faster), elsewhere PyTorch's fp32 SDPA; "float32-sdpa",
+    # request recomputed after preemption or failover keeps its greedy tokens): with a bf16 cache through
+    # Sluice's kernel (kernels/prefill_attention.cpp): on a CPU with AMX as split-bf16 tile products (q and the
+    # probabilities as three bf16 parts each, exact products summed in fp32; 2-3x faster than SDPA), on other
+    # AVX-512 CPUs with fp32 FMAs (1.5-2.5x faster); on AVX2-only CPUs PyTorch's fp32 SDPA; "float32-sdpa",
     # PyTorch's fp32 SDPA everywhere; or "kv", the KV cache's dtype: with a bf16 cache ~2x faster than SDPA
     # in fp32 where the CPU has AMX, q and the softmax probabilities rounded to bf16 (a recomputed request's
     # greedy tokens may then differ).

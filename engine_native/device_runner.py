@@ -45,12 +45,12 @@ class DeviceForward:
         self.model.prefill_attention_dtype = dtype
 
     @property
-    def prefill_attention_amx(self) -> bool:
-        return self.model.prefill_attention_amx
+    def prefill_attention_kernel_on(self) -> bool:
+        return self.model.prefill_attention_kernel_on
 
-    @prefill_attention_amx.setter
-    def prefill_attention_amx(self, on: bool) -> None:
-        self.model.prefill_attention_amx = on
+    @prefill_attention_kernel_on.setter
+    def prefill_attention_kernel_on(self, on: bool) -> None:
+        self.model.prefill_attention_kernel_on = on
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(batch):

@@ -117,7 +117,7 @@ class LLMEngine:
             self.attention_backend_name, model_cfg, self.device, kv_dtype
         )
         self.loaded.model.prefill_attention_dtype = _prefill_attention_dtype(config.prefill_attention_dtype, kv_dtype)
-        self.loaded.model.prefill_attention_amx = config.prefill_attention_dtype == "float32"
+        self.loaded.model.prefill_attention_kernel_on = config.prefill_attention_dtype == "float32"
         # A tensor-parallel rank's pool holds only its own KV heads (model.config is the rank's slice).
         num_blocks = num_kv_blocks(config, self.loaded.model.config, kv_dtype, self.max_model_len,
                                    device_memory_info(self.device))

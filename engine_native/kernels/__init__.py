@@ -10,7 +10,7 @@ What each function computes is written at the top of its source file:
     elementwise.cpp      rms_norm, add_rms_norm, rope_write_kv, silu_mul: the row-wise steps between GEMMs
     sample.cpp           sample_rows: a token per row from softmax(logits / temperature), no truncation
     amx_linear.cpp       amx_q4_1_linear: x @ W^T with W in Q4_1 blocks through AMX (bf16 in and out), where the CPU has it
-    amx_attention.cpp    amx_prefill_attention: prefill chunks' attention over a bf16 cache through AMX, fp32-accurate
+    prefill_attention.cpp  prefill_attention_kernel: prefill chunks' attention over a bf16 cache, fp32-accurate (AMX, or AVX-512 FMAs)
     quant_panel.cpp      q4_1_panel_linear, q8_0_panel_linear: x @ W^T for 9 to a few hundred rows, AVX-512, fp32 hosts
 
 The build goes through torch.utils.cpp_extension (ninja, the host's g++) into
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("bindings.cpp", "quant_linear.cpp", "paged_attention.cpp", "fused_decode.cpp",
                                  "elementwise.cpp", "sample.cpp", "amx_linear.cpp",
-                                 "amx_attention.cpp", "quant_panel.cpp")]
+                                 "prefill_attention.cpp", "quant_panel.cpp")]
 _HEADERS = [_HERE / "simd.h", _HERE / "rowops.h", _HERE / "amx.h", _HERE / "balance.h"]
 
 

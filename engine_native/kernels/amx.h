@@ -1,9 +1,11 @@
-// What the AMX kernels (amx_linear.cpp, amx_attention.cpp) share: whether the build has AMX, the OS's
-// permission for the tile state, the one tile configuration both use, and the 16 x 16 dword transpose both
-// lay their B operands out with.
+// What the AMX kernels (amx_linear.cpp, prefill_attention.cpp) share: whether the build has AMX, the OS's
+// permission for the tile state and the one tile configuration both use (simd.h's transpose16 lays out
+// their B operands).
 #pragma once
 
 #include <cstdint>
+
+#include "simd.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define SLUICE_HAVE_AMX 1
@@ -38,32 +40,6 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// r[i] <- column i of the 16 x 16 dword matrix whose rows are r[0..15] (four rounds of shuffles).
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
-  }
-}
 #endif
 
 }  // namespace sluice

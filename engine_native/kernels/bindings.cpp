@@ -7,7 +7,7 @@ void register_fused_decode(pybind11::module& m);
 void register_elementwise(pybind11::module& m);
 void register_sample(pybind11::module& m);
 void register_amx_linear(pybind11::module& m);
-void register_amx_attention(pybind11::module& m);
+void register_prefill_attention(pybind11::module& m);
 void register_quant_panel(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -17,6 +17,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_elementwise(m);
   register_sample(m);
   register_amx_linear(m);
-  register_amx_attention(m);
+  register_prefill_attention(m);
   register_quant_panel(m);
 }

@@ -8,10 +8,10 @@ for every layer); `paged_attention` runs one layer with it:
     sequence's block table in place; otherwise their blocks are gathered to
     [B, L_max, Hkv, D] and a length mask hides the padding;
   * each prefill chunk attends to its cached context plus its own tokens
-    causally: with a bf16 cache on a CPU with AMX, every chunk of the step in
-    ONE call of Sluice's split-bf16 kernel (kernels/amx_attention.cpp, about
-    fp32's accuracy); otherwise one SDPA call per sequence (chunks are few and
-    long). The sdpa backend (attention_backends.py) runs its chunks through the
+    causally: with a bf16 cache on an AVX-512 CPU, every chunk of the step in
+    ONE call of Sluice's kernel (kernels/prefill_attention.cpp: split-bf16 tile
+    products with AMX, fp32 FMAs without; fp32's accuracy either way); otherwise
+    one SDPA call per sequence (chunks are few and long). The sdpa backend (attention_backends.py) runs its chunks through the
     same `prefill_chunks` / `prefill_chunk_attention`.
 
 New K/V are written to the cache before attention, so "cached context" and "new
@@ -58,18 +58,18 @@ def prefill_chunks(batch: ForwardBatch, device: torch.device | None = None) -> l
     return chunks
 
 
-def amx_prefill_fits(k_cache: torch.Tensor) -> bool:
-    """Whether the prefill chunks' fp32 attention over this layer's cache can run in the AMX kernel: a bf16
-    cache on the CPU, a head_dim that is a multiple of 32, and a CPU (and build) with AMX-BF16."""
+def prefill_kernel_fits(k_cache: torch.Tensor) -> bool:
+    """Whether the prefill chunks' fp32 attention over this layer's cache can run in Sluice's kernel: a bf16
+    cache on the CPU, a head_dim that is a multiple of 32, and a CPU (and build) with AVX-512 (AMX-BF16 or not)."""
     if k_cache.device.type != "cpu" or k_cache.dtype != torch.bfloat16 or k_cache.shape[-1] % 32 != 0:
         return False
     kernels = cpu_kernels()
-    return kernels is not None and bool(kernels.amx_prefill_attention_available())
+    return kernels is not None and bool(kernels.prefill_attention_available())
 
 
 @dataclass
 class PrefillKernelArgs:
-    """The step's prefill chunks as the AMX kernel takes them, built once per forward."""
+    """The step's prefill chunks as Sluice's kernel takes them, built once per forward."""
 
     starts: torch.Tensor  # [C] int64: each chunk's first row in the step's T tokens
     query_lens: torch.Tensor  # [C] int64
@@ -104,7 +104,7 @@ class AttentionPlan:
     decodes_are_whole_batch: bool  # the step is pure decode in order: no scatter needed
     prefills: list[PrefillChunk]
     prefill_dtype: torch.dtype  # what the prefill chunks' attention computes in
-    prefill_kernel: PrefillKernelArgs | None = None  # set: the prefill chunks go to the AMX kernel
+    prefill_kernel: PrefillKernelArgs | None = None  # set: the prefill chunks go to Sluice's kernel
 
     @classmethod
     def from_batch(
@@ -113,7 +113,7 @@ class AttentionPlan:
     ) -> AttentionPlan:
         """`decode_kernel`: the decodes will run in the C++ kernel, which needs no mask.
         `prefill_dtype`: see `EngineConfig.prefill_attention_dtype`. `prefill_kernel`: fp32 prefill chunks
-        run in the AMX kernel (the caller checked `amx_prefill_fits`)."""
+        run in Sluice's kernel (the caller checked `prefill_kernel_fits`)."""
         bs = batch.block_size
         decode_seqs = [i for i, q in enumerate(batch.query_lens) if q == 1]
         kernel_args = (
@@ -165,7 +165,7 @@ def paged_attention(
     if args is not None:
         kernels = cpu_kernels()
         assert kernels is not None
-        kernels.amx_prefill_attention(q.contiguous(), k_cache, v_cache, args.starts, args.query_lens,
+        kernels.prefill_attention_kernel(q.contiguous(), k_cache, v_cache, args.starts, args.query_lens,
                                       args.context_lens, args.block_tables, q.shape[-1] ** -0.5, out)
         return out
     for chunk in plan.prefills:

@@ -36,7 +36,7 @@ class CausalLM(Protocol):
     # What the own CPU path's prefill attention computes in (EngineConfig.prefill_attention_dtype).
     prefill_attention_dtype: torch.dtype
     # Whether its fp32 prefill attention may take the AMX split-bf16 kernel (EngineConfig, "float32").
-    prefill_attention_amx: bool
+    prefill_attention_kernel_on: bool
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Write the new tokens' K/V into `kv_cache`, return float32 logits

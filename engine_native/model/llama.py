@@ -29,7 +29,7 @@ from torch import nn
 from engine_native.config import ModelConfig
 from engine_native.forward_batch import ForwardBatch, KVCache
 from engine_native.kernels import cpu_kernels
-from engine_native.model.attention import AttentionPlan, amx_prefill_fits, paged_attention, write_kv
+from engine_native.model.attention import AttentionPlan, paged_attention, prefill_kernel_fits, write_kv
 from engine_native.model.attention_backends import AttentionBackend, StepAttention
 from engine_native.model.base import ModelLoadError
 from engine_native.model.quant import (
@@ -286,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
         # None: model/attention.py's CPU path (and the fused decoder); else the backend chosen at start.
         self.attention_backend: AttentionBackend | None = None
         self.prefill_attention_dtype = torch.float32
-        self.prefill_attention_amx = True  # fp32 prefill attention through the AMX kernel where it fits
+        self.prefill_attention_kernel_on = True  # fp32 prefill attention through Sluice's kernel where it fits
         self.rope = RotaryTable(  # fp32 like every activation (and the fused decoder reads it)
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, torch.float32
         )
@@ -411,7 +411,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             plan = AttentionPlan.from_batch(batch, decode_kernel=self.use_decode_kernel(kv_cache),
                                             prefill_dtype=self.prefill_attention_dtype,
-                                            prefill_kernel=self.prefill_attention_amx and amx_prefill_fits(kv_cache.k[0]))
+                                            prefill_kernel=self.prefill_attention_kernel_on and prefill_kernel_fits(kv_cache.k[0]))
         cos, sin = self.rope.lookup(batch.positions)
         x = F.embedding(batch.input_ids, self.embed).float()
         # The AMX kernel takes pure-decode steps only: a prompt is multiplied by oneDNN whatever its

@@ -80,7 +80,7 @@ class TensorParallelLlama(nn.Module):
         self.clock = clock
         self.attention_backend: AttentionBackend | None = None  # the layers' own CPU path
         self.prefill_attention_dtype = torch.float32
-        self.prefill_attention_amx = False  # a rank's plan keeps PyTorch's fp32 SDPA for its prefill chunks
+        self.prefill_attention_kernel_on = False  # a rank's plan keeps PyTorch's fp32 SDPA for its prefill chunks
         tp_group = placement.tp_group()
         self.embed: torch.Tensor | None = weights.get("model.embed_tokens.weight")
         layers = []

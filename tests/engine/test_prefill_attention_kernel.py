@@ -1,6 +1,7 @@
-"""The prefill chunks' attention through AMX (kernels/amx_attention.cpp): q and the probabilities split in two
-bf16 parts each, so it lands within fp32-like error of exact attention, causal within each chunk over its
-cached context, every chunk of a step in one call."""
+"""The prefill chunks' attention in Sluice's kernel (kernels/prefill_attention.cpp), on each path this CPU has:
+AMX (q and the probabilities split in three bf16 parts each) and AVX-512 fp32 FMAs. Either lands within
+fp32-like error of exact attention, causal within each chunk over its cached context, every chunk of a step
+in one call."""
 
 from __future__ import annotations
 
@@ -13,18 +14,20 @@ from engine_native.forward_batch import ForwardBatch
 from engine_native.kernels import cpu_kernels
 from engine_native.model.attention import (
     AttentionPlan,
-    amx_prefill_fits,
     prefill_chunk_attention,
     prefill_chunks,
+    prefill_kernel_fits,
 )
 from engine_native.model.bundled import bundled_model_path
 from engine_native.sampling_params import SamplingParams
 
 _KERNELS = cpu_kernels()
-needs_amx = pytest.mark.skipif(
-    _KERNELS is None or not _KERNELS.amx_prefill_attention_available(),
-    reason="this CPU has no AMX-BF16: PyTorch's fp32 SDPA runs instead",
+needs_kernel = pytest.mark.skipif(
+    _KERNELS is None or not _KERNELS.prefill_attention_available(),
+    reason="this CPU has no AVX-512: PyTorch's fp32 SDPA runs instead",
 )
+# The kernel's paths on this CPU: "fma" wherever it builds, "amx" too where the OS grants AMX.
+PATHS = ["fma"] + (["amx"] if _KERNELS is not None and _KERNELS.amx_q4_1_available() else [])
 
 Chunk = tuple[int, int, int, torch.Tensor]  # start row, query length, context length, block ids
 
@@ -60,14 +63,16 @@ def _sdpa_fp32(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: list
     return out
 
 
-def _kernel(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: list[Chunk], out: torch.Tensor) -> None:
+def _kernel(
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: list[Chunk], out: torch.Tensor, path: str = "fma"
+) -> None:
     assert _KERNELS is not None
     tables = torch.zeros(len(chunks), max(len(c[3]) for c in chunks), dtype=torch.long)
     for i, c in enumerate(chunks):
         tables[i, : len(c[3])] = c[3]
-    _KERNELS.amx_prefill_attention(
+    _KERNELS.prefill_attention_kernel(
         q, kc, vc, torch.tensor([c[0] for c in chunks]), torch.tensor([c[1] for c in chunks]),
-        torch.tensor([c[2] for c in chunks]), tables, q.shape[-1] ** -0.5, out,
+        torch.tensor([c[2] for c in chunks]), tables, q.shape[-1] ** -0.5, out, allow_amx=path == "amx",
     )
 
 
@@ -91,7 +96,8 @@ def _case(heads: int, kv_heads: int, d: int, specs: list[tuple[int, int]], seed:
 
 # (9, 3, 64) is SmolLM2's; (4, 4, 32) no grouping; (8, 2, 128) four query heads a KV head, two 64-column
 # halves of P.V per pass. Chunks: whole prompts, chunks over a cached context, lengths off every tile size.
-@needs_amx
+@needs_kernel
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 @pytest.mark.parametrize(
     "specs",
@@ -99,24 +105,25 @@ def _case(heads: int, kv_heads: int, d: int, specs: list[tuple[int, int]], seed:
     ids=["prompts", "mixed", "long-context", "one-row"],
 )
 def test_kernel_matches_exact_attention_about_as_closely_as_fp32(
-    heads: int, kv_heads: int, d: int, specs: list[tuple[int, int]]
+    heads: int, kv_heads: int, d: int, specs: list[tuple[int, int]], path: str
 ) -> None:
     q, kc, vc, chunks = _case(heads, kv_heads, d, specs, seed=heads * d + len(specs))
     exact = _reference(q, kc, vc, chunks)
     out = torch.full_like(q, 7.0)
-    _kernel(q, kc, vc, chunks, out)
+    _kernel(q, kc, vc, chunks, out, path)
     rows = torch.cat([torch.arange(c[0], c[0] + c[1]) for c in chunks])
     others = torch.ones(q.shape[0], dtype=torch.bool)
     others[rows] = False
     assert torch.all(out[others] == 7.0), "rows outside the chunks must stay untouched"
     err = (out.double() - exact)[rows].abs().max().item()
     fp32_err = (_sdpa_fp32(q, kc, vc, chunks).double() - exact)[rows].abs().max().item()
-    # bf16 alone would be ~2^-9 relative (errors ~1e-2 here); split in two parts ~2^-17.
+    # bf16 alone would be ~2^-9 relative (errors ~1e-2 here); split in two parts ~2^-17. The FMA path computes
+    # in fp32 throughout.
     assert err < 1e-4
     assert err < 30 * fp32_err + 1e-6
 
 
-@needs_amx
+@needs_kernel
 def test_bad_inputs_are_refused_with_a_message() -> None:
     assert _KERNELS is not None
     q, kc, vc, chunks = _case(9, 3, 64, [(16, 32)], seed=1)
@@ -142,7 +149,7 @@ def _first_token_logprobs(engine: LLMEngine, prompts: list[list[int]]) -> list[d
     return [tops[f"p{i}"] for i in range(len(prompts))]
 
 
-@needs_amx
+@needs_kernel
 def test_the_engine_takes_the_kernel_by_default_and_stays_as_close_to_exact_attention_as_sdpa() -> None:
     """The bundled model, bf16 with a bf16 cache, prompts of several lengths prefilled together: the first
     token's logprobs through the kernel sit about as near those with float64 attention as PyTorch's fp32
@@ -155,15 +162,15 @@ def test_the_engine_takes_the_kernel_by_default_and_stays_as_close_to_exact_atte
     )
     engine = LLMEngine(config, progress=False)
     model = engine.loaded.model
-    assert amx_prefill_fits(engine.runner.kv_cache.k[0]) and model.prefill_attention_amx
+    assert prefill_kernel_fits(engine.runner.kv_cache.k[0]) and model.prefill_attention_kernel_on
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(100, 40_000, (n,), generator=g).tolist() for n in (150, 37, 90, 9)]
     kernel = _first_token_logprobs(engine, prompts)
-    model.prefill_attention_amx = False
+    model.prefill_attention_kernel_on = False
     sdpa = _first_token_logprobs(engine, prompts)
     model.prefill_attention_dtype = torch.float64  # the PyTorch path then attends in float64
     exact = _first_token_logprobs(engine, prompts)
-    model.prefill_attention_dtype, model.prefill_attention_amx = torch.float32, True
+    model.prefill_attention_dtype, model.prefill_attention_kernel_on = torch.float32, True
 
     def gap(a: dict[int, float], b: dict[int, float]) -> float:
         return max(abs(a[t] - b[t]) for t in a.keys() & b.keys())
@@ -193,18 +200,19 @@ def test_the_plan_hands_prefills_to_the_kernel_only_in_fp32() -> None:
     assert bf16.prefill_kernel is None
 
 
-@needs_amx
-def test_how_the_work_is_split_over_threads_changes_no_bit() -> None:
+@needs_kernel
+@pytest.mark.parametrize("path", PATHS)
+def test_how_the_work_is_split_over_threads_changes_no_bit(path: str) -> None:
     """Row tiles go to the threads by the keys they see (kernels/balance.h), a tile whole to one thread: a step of
     chunks of very different contexts gives the same bits on one thread as on several."""
     q, kc, vc, chunks = _case(9, 3, 64, [(256, 900), (3, 3), (40, 300), (256, 256), (1, 700)], seed=5)
     threads = torch.get_num_threads()
     several = torch.zeros_like(q)
-    _kernel(q, kc, vc, chunks, several)
+    _kernel(q, kc, vc, chunks, several, path)
     one = torch.zeros_like(q)
     torch.set_num_threads(1)
     try:
-        _kernel(q, kc, vc, chunks, one)
+        _kernel(q, kc, vc, chunks, one, path)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(several, one)
