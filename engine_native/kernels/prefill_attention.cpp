@@ -38,7 +38,7 @@ namespace sluice {
 namespace {
 
 constexpr int64_t kKeys = 32;  // keys per P tile row (32 bf16 = 64 bytes); the context is padded to it
-constexpr int64_t kRows16 = 16;  // query rows per task
+constexpr int64_t kTaskRows = 16;  // query rows per task (one AMX tile's rows)
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -48,7 +48,6 @@ struct Chunk {
   const int64_t* table;
   int64_t packed;  // offset of its first KV head's packed keys (and values) in the scratch, in dwords
 };
-
 
 // One task of the attention: 16 query rows (from r0) of one head of one chunk.
 struct RowTile {
@@ -74,18 +73,18 @@ template <typename Fn>
 void parallel_row_tiles(const std::vector<Chunk>& chunks, int64_t h, const Fn& fn) {
   const int64_t nc = static_cast<int64_t>(chunks.size());
   std::vector<int64_t> task_start(static_cast<size_t>(nc + 1), 0);
-  for (int64_t i = 0; i < nc; ++i) task_start[i + 1] = task_start[i] + h * ((chunks[i].qlen + kRows16 - 1) / kRows16);
+  for (int64_t i = 0; i < nc; ++i) task_start[i + 1] = task_start[i] + h * ((chunks[i].qlen + kTaskRows - 1) / kTaskRows);
   const auto tile_at = [&](int64_t task) {
     const int64_t ci =
         static_cast<int64_t>(std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin()) - 1;
     const Chunk& c = chunks[ci];
-    const int64_t local = task - task_start[ci], tiles = (c.qlen + kRows16 - 1) / kRows16;
-    return RowTile{&c, local / tiles, (local % tiles) * kRows16};
+    const int64_t local = task - task_start[ci], tiles = (c.qlen + kTaskRows - 1) / kTaskRows;
+    return RowTile{&c, local / tiles, (local % tiles) * kTaskRows};
   };
   const auto task_cost = [&](int64_t task) {  // the keys its rows see, padded as attend_rows pads them, + its q
     const RowTile t = tile_at(task);
     const Chunk& c = *t.chunk;
-    return round_up(c.ctx - c.qlen + t.r0 + std::min(kRows16, c.qlen - t.r0), kKeys) + kKeys;
+    return round_up(c.ctx - c.qlen + t.r0 + std::min(kTaskRows, c.qlen - t.r0), kKeys) + kKeys;
   };
   parallel_for_by_cost(task_start[nc], task_cost, [&](int64_t begin, int64_t end) { fn(begin, end, tile_at); });
 }
@@ -351,11 +350,11 @@ void pv_rows(int64_t rows, std::integer_sequence<int, R...>, const float* p, int
 // One task: query rows [r0, r0 + 16) of head h in chunk c -> out (as the AMX path's attend_rows).
 void attend_rows(const float* q, int64_t h_total, int64_t d, int64_t h, int64_t r0, const Chunk& c, const float* keys,
                  const float* values, float scale, float* out, std::vector<float>& scores) {
-  const int64_t rows = std::min(kRows16, c.qlen - r0);
+  const int64_t rows = std::min(kTaskRows, c.qlen - r0);
   const int64_t first_pos = c.ctx - c.qlen + r0;  // position of row 0; row m sees keys [0, first_pos + m]
   const int64_t seen = first_pos + rows;
   const int64_t lpad = round_up(seen, kKeys);
-  scores.resize(static_cast<size_t>(kRows16 * lpad));
+  scores.resize(static_cast<size_t>(kTaskRows * lpad));
   const float* q0 = q + ((c.start + r0) * h_total + h) * d;
   const int64_t q_stride = h_total * d;
   for (int64_t m = 0; m < rows; m += kScoreRows) {
@@ -363,7 +362,7 @@ void attend_rows(const float* q, int64_t h_total, int64_t d, int64_t h, int64_t 
                 q_stride, d, keys, lpad, scores.data() + m * lpad, lpad);
   }
   // Softmax numerators in place, 0 from each row's last visible key to `seen`; then P.V and the division.
-  alignas(64) float sums[kRows16] = {};
+  alignas(64) float sums[kTaskRows] = {};
   const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   for (int64_t m = 0; m < rows; ++m) {
     const int64_t len = first_pos + m + 1;
