@@ -89,6 +89,30 @@ void parallel_row_tiles(const std::vector<Chunk>& chunks, int64_t h, const Fn& f
   parallel_for_by_cost(task_start[nc], task_cost, [&](int64_t begin, int64_t end) { fn(begin, end, tile_at); });
 }
 
+#ifdef __AVX512F__
+// One row's softmax numerators from its raw scores s[0, len): the max over the raw scores first (scale > 0:
+// the same key wins), then e^(s * scale - max * scale), 16 at a time handed to emit(t, e, live) (lanes past
+// len are 0 in e and off in live). Returns their sum. Both paths' rows go through it.
+template <typename Emit>
+inline float softmax_numerators(const float* s, int64_t len, float scale, const Emit& emit) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 live = t + 16 <= len ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
+    vmax = _mm512_mask_max_ps(vmax, live, vmax, _mm512_loadu_ps(s + t));
+  }
+  const __m512 mx = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(vmax)), vscale);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 live = t + 16 <= len ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp16_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), vscale, mx)));
+    vsum = _mm512_add_ps(vsum, e);
+    emit(t, e, live);
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+#endif
+
 #ifdef SLUICE_HAVE_AMX
 
 constexpr int64_t kRows = kTileRows;  // 16 query rows, 16 keys or 16 key pairs per tile
@@ -184,30 +208,17 @@ void attend_rows(const float* q, int64_t h_total, int64_t d, int64_t h, int64_t 
     _tile_stored(0, scores.data() + n0, lpad * 4);
     _tile_stored(4, scores.data() + n0 + kRows, lpad * 4);
   }
-  // Softmax numerators as three bf16 parts: [3][16][lpad]; 0 past each row's last visible key. The max is
-  // taken over the raw scores (scale > 0: the same key wins), then e^(s * scale - max * scale).
+  // Softmax numerators (softmax_numerators) as three bf16 parts: [3][16][lpad]; 0 past each row's last
+  // visible key.
   probs.resize(static_cast<size_t>(3 * kRows * lpad));
   uint16_t *p_hi = probs.data(), *p_mid = p_hi + kRows * lpad, *p_lo = p_mid + kRows * lpad;
   alignas(64) float sums[kRows] = {};
-  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   for (int64_t m = 0; m < kRows; ++m) {
     const int64_t len = m < rows ? first_pos + m + 1 : 0, len16 = round_up(len, 16);
-    const float* s = scores.data() + m * lpad;
-    __m512 vmax = ninf;
-    for (int64_t t = 0; t < len; t += 16) {
-      const __mmask16 live = t + 16 <= len ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
-      vmax = _mm512_mask_max_ps(vmax, live, vmax, _mm512_loadu_ps(s + t));
-    }
-    const __m512 mx = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(vmax)), vscale);
-    __m512 vsum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t += 16) {
-      const __mmask16 live = t + 16 <= len ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(live, exp16_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), vscale, mx)));
-      vsum = _mm512_add_ps(vsum, e);
+    sums[m] = softmax_numerators(scores.data() + m * lpad, len, scale, [&](int64_t t, __m512 e, __mmask16) {
       split16(e, p_hi + m * lpad + t, p_mid + m * lpad + t, p_lo + m * lpad + t);
-    }
+    });
     for (uint16_t* part : {p_hi, p_mid, p_lo}) std::fill(part + m * lpad + len16, part + (m + 1) * lpad, 0);
-    sums[m] = _mm512_reduce_add_ps(vsum);
   }
   // Output [16][d] = P.V, 16 columns per C tile, four at a time.
   alignas(64) float o[kRows * kRows];
@@ -363,25 +374,13 @@ void attend_rows(const float* q, int64_t h_total, int64_t d, int64_t h, int64_t 
   }
   // Softmax numerators in place, 0 from each row's last visible key to `seen`; then P.V and the division.
   alignas(64) float sums[kTaskRows] = {};
-  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   for (int64_t m = 0; m < rows; ++m) {
     const int64_t len = first_pos + m + 1;
     float* s = scores.data() + m * lpad;
-    __m512 vmax = ninf;
-    for (int64_t t = 0; t < len; t += 16) {
-      const __mmask16 live = t + 16 <= len ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
-      vmax = _mm512_mask_max_ps(vmax, live, vmax, _mm512_loadu_ps(s + t));
-    }
-    const __m512 mx = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(vmax)), vscale);
-    __m512 vsum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t += 16) {
-      const __mmask16 live = t + 16 <= len ? 0xFFFF : static_cast<__mmask16>((1u << (len - t)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(live, exp16_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), vscale, mx)));
-      vsum = _mm512_add_ps(vsum, e);
+    sums[m] = softmax_numerators(s, len, scale, [&](int64_t t, __m512 e, __mmask16 live) {
       _mm512_mask_storeu_ps(s + t, live, e);
-    }
+    });
     std::fill(s + len, s + seen, 0.0f);
-    sums[m] = _mm512_reduce_add_ps(vsum);
   }
   alignas(64) float o[kPvRows * 64];
   for (int64_t m = 0; m < rows; m += kPvRows) {

@@ -11,8 +11,9 @@ for every layer); `paged_attention` runs one layer with it:
     causally: with a bf16 cache on an AVX-512 CPU, every chunk of the step in
     ONE call of Sluice's kernel (kernels/prefill_attention.cpp: split-bf16 tile
     products with AMX, fp32 FMAs without; fp32's accuracy either way); otherwise
-    one SDPA call per sequence (chunks are few and long). The sdpa backend (attention_backends.py) runs its chunks through the
-    same `prefill_chunks` / `prefill_chunk_attention`.
+    one SDPA call per sequence (chunks are few and long). The sdpa backend
+    (attention_backends.py) runs its chunks through the same `prefill_chunks` /
+    `prefill_chunk_attention`.
 
 New K/V are written to the cache before attention, so "cached context" and "new
 tokens" are read the same way, through the block table.
