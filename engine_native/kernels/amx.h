@@ -5,8 +5,6 @@
 
 #include <cstdint>
 
-#include "simd.h"
-
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define SLUICE_HAVE_AMX 1
 #include <immintrin.h>

@@ -73,7 +73,8 @@ template <typename Fn>
 void parallel_row_tiles(const std::vector<Chunk>& chunks, int64_t h, const Fn& fn) {
   const int64_t nc = static_cast<int64_t>(chunks.size());
   std::vector<int64_t> task_start(static_cast<size_t>(nc + 1), 0);
-  for (int64_t i = 0; i < nc; ++i) task_start[i + 1] = task_start[i] + h * ((chunks[i].qlen + kTaskRows - 1) / kTaskRows);
+  for (int64_t i = 0; i < nc; ++i)
+    task_start[i + 1] = task_start[i] + h * ((chunks[i].qlen + kTaskRows - 1) / kTaskRows);
   const auto tile_at = [&](int64_t task) {
     const int64_t ci =
         static_cast<int64_t>(std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin()) - 1;
@@ -261,9 +262,10 @@ void attend_rows(const float* q, int64_t h_total, int64_t d, int64_t h, int64_t 
 #endif  // SLUICE_HAVE_AMX
 
 #ifdef __AVX512F__
-// The same attention with fp32 FMAs, for AVX-512 CPUs without AMX. fma(q, k, acc) forms each product exactly and rounds the sum once, as the AMX path's
-// exact products summed in fp32 do: the same accuracy, the additions in another order. K and V are widened
-// from the bf16 cache once per chunk and KV head (exact), for all the query heads that share them:
+// The same attention with fp32 FMAs, for AVX-512 CPUs without AMX. fma(q, k, acc) forms each product exactly
+// and rounds the sum once, as the AMX path's exact products summed in fp32 do: the same accuracy, the
+// additions in another order. K and V are widened from the bf16 cache once per chunk and KV head (exact),
+// for all the query heads that share them:
 //     keys   [lpad / 16][d][16] fp32: per 16 keys, element i of each (16 keys a vector)
 //     values [lpad][d] fp32
 namespace fma_path {
@@ -273,17 +275,14 @@ constexpr int64_t kPvRows = 6;     // rows per P.V pass: 24 accumulators (6 rows
 
 void pack_keys(const uint16_t* cache, int64_t bs, int64_t hkv, int64_t d, int64_t kvh, const Chunk& c, float* out) {
   const int64_t lpad = round_up(c.ctx, kKeys), row = hkv * d;
-  alignas(64) float tile[16 * 16];
+  __m512i r[16];
   for (int64_t n0 = 0; n0 < lpad; n0 += 16) {
     for (int64_t i0 = 0; i0 < d; i0 += 16) {
       for (int64_t j = 0; j < 16; ++j) {  // key n0 + j, elements i0 .. i0 + 15
         const int64_t n = n0 + j;
-        const __m512 v = n < c.ctx ? from_bf16x16(cache + (c.table[n / bs] * bs + n % bs) * row + kvh * d + i0)
-                                   : _mm512_setzero_ps();
-        _mm512_store_ps(tile + j * 16, v);
+        r[j] = _mm512_setzero_si512();  // keys past ctx
+        if (n < c.ctx) r[j] = _mm512_castps_si512(from_bf16x16(cache + (c.table[n / bs] * bs + n % bs) * row + kvh * d + i0));
       }
-      __m512i r[16];
-      for (int64_t j = 0; j < 16; ++j) r[j] = _mm512_load_si512(tile + j * 16);
       transpose16(r);  // r[i]: element i0 + i of the 16 keys
       float* dst = out + (n0 / 16) * d * 16 + i0 * 16;
       for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * 16, r[i]);
@@ -383,10 +382,10 @@ void attend_rows(const float* q, int64_t h_total, int64_t d, int64_t h, int64_t 
     std::fill(s + len, s + seen, 0.0f);
   }
   alignas(64) float o[kPvRows * 64];
+  const int64_t width = d % 64 == 0 ? 64 : 32;  // columns per P.V pass (d is a multiple of 32)
   for (int64_t m = 0; m < rows; m += kPvRows) {
     const int64_t pr = std::min(kPvRows, rows - m);
-    for (int64_t c0 = 0; c0 < d; c0 += (d % 64 == 0 ? 64 : 32)) {
-      const int64_t width = d % 64 == 0 ? 64 : 32;
+    for (int64_t c0 = 0; c0 < d; c0 += width) {
       if (width == 64) {
         pv_rows<4>(pr, std::make_integer_sequence<int, kPvRows>{}, scores.data() + m * lpad, lpad, seen, values, d,
                    c0, o, 64);
@@ -396,9 +395,9 @@ void attend_rows(const float* q, int64_t h_total, int64_t d, int64_t h, int64_t 
       }
       for (int64_t i = 0; i < pr; ++i) {
         float* dst = out + ((c.start + r0 + m + i) * h_total + h) * d + c0;
-        const __m512 inv = _mm512_set1_ps(sums[m + i]);
+        const __m512 sum = _mm512_set1_ps(sums[m + i]);
         for (int64_t j = 0; j < width; j += 16)
-          _mm512_storeu_ps(dst + j, _mm512_div_ps(_mm512_loadu_ps(o + i * 64 + j), inv));
+          _mm512_storeu_ps(dst + j, _mm512_div_ps(_mm512_loadu_ps(o + i * 64 + j), sum));
       }
     }
   }
