@@ -45,8 +45,7 @@ bool amx_permitted() {
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // weights per Q4_1 block = k per tile row
-constexpr int64_t kTile = 16;   // rows of a tile: 16 features (A), 16 k-pairs (B), 16 features (C)
+constexpr int64_t kTile = 16;  // rows of a tile: 16 features (A), 16 k-pairs (B), 16 features (C); a tile row's k is one block
 
 #ifdef SLUICE_HAVE_AMX
 
@@ -68,7 +67,7 @@ inline void dequantize_block(const uint8_t* qs, float d, float m, uint16_t* dst)
 // 32 k, a 16 x 16 transpose of dwords (k-pairs). On the calling thread: a few us at 32 x 1536, less than
 // waking the other threads for it costs.
 void interleave_x(const uint16_t* x, int64_t m, int64_t k, uint32_t* out) {
-  const int64_t pairs = k / 2, kblocks = k / kBlock, mtiles = (m + kTile - 1) / kTile;
+  const int64_t pairs = k / 2, kblocks = k / kQuantBlock, mtiles = (m + kTile - 1) / kTile;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
   __m512i r[16];
   for (int64_t mt = 0; mt < mtiles; ++mt) {
@@ -107,7 +106,7 @@ inline void write_tile(const float* c, int64_t f0, int64_t t0, int64_t m, int64_
 
 template <typename Out>
 void amx_q4_1_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qs, const float* dm, int64_t n, Out* out) {
-  const int64_t kblocks = k / kBlock, mtiles = (m + kTile - 1) / kTile;
+  const int64_t kblocks = k / kQuantBlock, mtiles = (m + kTile - 1) / kTile;
   std::vector<uint32_t> xt(static_cast<size_t>(mtiles * kblocks * kTile * kTile));
   interleave_x(x, m, k, xt.data());
   const uint32_t* xtiles = xt.data();
@@ -120,7 +119,7 @@ void amx_q4_1_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qs,
       for (int64_t r = 0; r < 2 * kTile; ++r) {
         const uint8_t* rq = qs + (f0 + r) * kblocks * 16;
         const float* rs = dm + (f0 + r) * kblocks * 2;
-        for (int64_t b = 0; b < kblocks; ++b) dequantize_block(rq + b * 16, rs[2 * b], rs[2 * b + 1], &w[r * k + b * kBlock]);
+        for (int64_t b = 0; b < kblocks; ++b) dequantize_block(rq + b * 16, rs[2 * b], rs[2 * b + 1], &w[r * k + b * kQuantBlock]);
       }
       const uint16_t* w0 = w.data();
       const uint16_t* w1 = w.data() + kTile * k;
@@ -136,8 +135,8 @@ void amx_q4_1_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qs,
           _tile_zero(7);
         }
         for (int64_t kb = 0; kb < kblocks; ++kb) {
-          _tile_loadd(0, w0 + kb * kBlock, wstride);
-          _tile_loadd(1, w1 + kb * kBlock, wstride);
+          _tile_loadd(0, w0 + kb * kQuantBlock, wstride);
+          _tile_loadd(1, w1 + kb * kQuantBlock, wstride);
           _tile_loadd(2, x0 + kb * kTile * kTile, 64);
           _tile_dpbf16ps(4, 0, 2);
           _tile_dpbf16ps(6, 1, 2);
@@ -173,7 +172,7 @@ torch::Tensor amx_q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous bfloat16 [M, K] tensor");
   check_q4_1_blocks(qs, dm);
-  const int64_t n = qs.size(0), k = qs.size(1) * kBlock, m = x.size(0);
+  const int64_t n = qs.size(0), k = qs.size(1) * kQuantBlock, m = x.size(0);
   TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns, the weight ", k);
   TORCH_CHECK(n % (2 * kTile) == 0, "the weight's rows (", n, ") must be a multiple of 32");
   auto out = torch::empty({m, n}, x.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));

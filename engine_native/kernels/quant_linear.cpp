@@ -25,7 +25,6 @@
 namespace sluice {
 namespace {
 
-constexpr int64_t kBlock = 32;
 constexpr int64_t kMaxRows = 8;  // rows of x handled per pass over the weights
 
 inline __m256 u8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
@@ -66,7 +65,7 @@ inline void row_dot(Block block, int64_t nblocks, const float* x, int64_t ldx, f
   for (int64_t b = 0; b < nblocks; ++b) {
     block(b, w);
     for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * ldx + b * kBlock;
+      const float* xb = x + r * ldx + b * kQuantBlock;
       for (int j = 0; j < 4; ++j) acc[r][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j % A]);
     }
   }
@@ -108,7 +107,7 @@ void run(const float* x, int64_t m, int64_t k, int64_t n, int64_t nblocks, RowBl
 
 void quant_matmul(QuantFormat format, const float* x, int64_t m, int64_t k, const void* qs, const float* scales,
                   int64_t n, float* out) {
-  const int64_t nblocks = k / kBlock;
+  const int64_t nblocks = k / kQuantBlock;
   if (format == QuantFormat::Q4_1) {
     const uint8_t* q = static_cast<const uint8_t*>(qs);
     run(x, m, k, n, nblocks, [=](int64_t row) {
@@ -143,7 +142,7 @@ namespace {
 
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
   check_q4_1_blocks(qs, dm);
-  const int64_t n = qs.size(0), k = qs.size(1) * kBlock;
+  const int64_t n = qs.size(0), k = qs.size(1) * kQuantBlock;
   check_x(x, k);
   auto out = torch::empty({x.size(0), n}, x.options());
   quant_matmul(QuantFormat::Q4_1, x.data_ptr<float>(), x.size(0), k, qs.data_ptr<uint8_t>(), dm.data_ptr<float>(),
@@ -156,7 +155,7 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
               "qs must be a contiguous int8 [N, K/32, 32] tensor");
   TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat32 && d.is_contiguous(),
               "d must be a contiguous float32 [N, K/32] tensor");
-  const int64_t n = qs.size(0), k = qs.size(1) * kBlock;
+  const int64_t n = qs.size(0), k = qs.size(1) * kQuantBlock;
   check_x(x, k);
   auto out = torch::empty({x.size(0), n}, x.options());
   quant_matmul(QuantFormat::Q8_0, x.data_ptr<float>(), x.size(0), k, qs.data_ptr<int8_t>(), d.data_ptr<float>(),

@@ -92,6 +92,8 @@ inline void axpy(float p, const float* v, float* out, int64_t d) {
 
 // Weight formats the quantized matmuls read (see quant_linear.cpp for the layouts).
 enum class QuantFormat : int64_t { Q4_1 = 0, Q8_0 = 1 };
+// Weights per block of either format (GGUF's QK4_1 = QK8_0 = 32): one scale (and, Q4_1, one minimum) each.
+constexpr int64_t kQuantBlock = 32;
 
 // out [m, n] = x [m, k] @ W^T, W [n, k] in `format`; rows of W split across ATen's threads.
 void quant_matmul(QuantFormat format, const float* x, int64_t m, int64_t k, const void* qs, const float* scales,
