@@ -45,7 +45,8 @@ bool amx_permitted() {
 
 namespace {
 
-constexpr int64_t kTile = 16;  // rows of a tile: 16 features (A), 16 k-pairs (B), 16 features (C); a tile row's k is one block
+// Rows of a tile: 16 features (A), 16 k-pairs (B), 16 features (C); a tile row of A holds one block's 32 k.
+constexpr int64_t kTile = 16;
 
 #ifdef SLUICE_HAVE_AMX
 
