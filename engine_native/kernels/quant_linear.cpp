@@ -55,11 +55,12 @@ inline void q8_0_block(const int8_t* qs, float d, __m512 w[2]) {
 
 using Vec = __m512;  // what a block decodes into, two per block
 
-// One weight row n against R rows of x, `Blocks` blocks a pass: with one or two rows two blocks, so that
-// each row has four accumulators to hide the FMA latency; with more rows their own accumulators do.
-template <int R, int Blocks, typename Block>
+// One weight row n against R rows of x, A accumulators a row (two per block of a pass): with one or two
+// rows two blocks a pass, so that each row has four accumulators to hide the FMA latency; with more rows
+// their own accumulators do.
+template <int R, int A, typename Block>
 inline void row_dot(Block block, int64_t nblocks, const float* x, int64_t ldx, float* out, int64_t ldo) {
-  constexpr int A = 2 * Blocks;
+  constexpr int Blocks = A / 2;
   __m512 acc[R][A];
   for (int r = 0; r < R; ++r)
     for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
@@ -86,20 +87,7 @@ inline void row_dot(Block block, int64_t nblocks, const float* x, int64_t ldx, f
   }
 }
 
-template <typename Block>
-inline void dot_rows(Block block, int64_t nblocks, const float* x, int64_t rows, int64_t ldx, float* out,
-                     int64_t ldo) {
-  switch (rows) {
-    case 1: row_dot<1, 2>(block, nblocks, x, ldx, out, ldo); break;
-    case 2: row_dot<2, 2>(block, nblocks, x, ldx, out, ldo); break;
-    case 3: row_dot<3, 1>(block, nblocks, x, ldx, out, ldo); break;
-    case 4: row_dot<4, 1>(block, nblocks, x, ldx, out, ldo); break;
-    case 5: row_dot<5, 1>(block, nblocks, x, ldx, out, ldo); break;
-    case 6: row_dot<6, 1>(block, nblocks, x, ldx, out, ldo); break;
-    case 7: row_dot<7, 1>(block, nblocks, x, ldx, out, ldo); break;
-    default: row_dot<8, 1>(block, nblocks, x, ldx, out, ldo); break;
-  }
-}
+constexpr int accumulators_per_row(int rows) { return rows <= 2 ? 4 : 2; }
 
 #else
 
@@ -154,22 +142,24 @@ inline void row_dot(Block block, int64_t nblocks, const float* x, int64_t ldx, f
   }
 }
 
+constexpr int accumulators_per_row(int rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
+
+#endif  // __AVX512F__
+
 template <typename Block>
 inline void dot_rows(Block block, int64_t nblocks, const float* x, int64_t rows, int64_t ldx, float* out,
                      int64_t ldo) {
   switch (rows) {
-    case 1: row_dot<1, 4>(block, nblocks, x, ldx, out, ldo); break;
-    case 2: row_dot<2, 4>(block, nblocks, x, ldx, out, ldo); break;
-    case 3: row_dot<3, 2>(block, nblocks, x, ldx, out, ldo); break;
-    case 4: row_dot<4, 2>(block, nblocks, x, ldx, out, ldo); break;
-    case 5: row_dot<5, 1>(block, nblocks, x, ldx, out, ldo); break;
-    case 6: row_dot<6, 1>(block, nblocks, x, ldx, out, ldo); break;
-    case 7: row_dot<7, 1>(block, nblocks, x, ldx, out, ldo); break;
-    default: row_dot<8, 1>(block, nblocks, x, ldx, out, ldo); break;
+    case 1: row_dot<1, accumulators_per_row(1)>(block, nblocks, x, ldx, out, ldo); break;
+    case 2: row_dot<2, accumulators_per_row(2)>(block, nblocks, x, ldx, out, ldo); break;
+    case 3: row_dot<3, accumulators_per_row(3)>(block, nblocks, x, ldx, out, ldo); break;
+    case 4: row_dot<4, accumulators_per_row(4)>(block, nblocks, x, ldx, out, ldo); break;
+    case 5: row_dot<5, accumulators_per_row(5)>(block, nblocks, x, ldx, out, ldo); break;
+    case 6: row_dot<6, accumulators_per_row(6)>(block, nblocks, x, ldx, out, ldo); break;
+    case 7: row_dot<7, accumulators_per_row(7)>(block, nblocks, x, ldx, out, ldo); break;
+    default: row_dot<8, accumulators_per_row(8)>(block, nblocks, x, ldx, out, ldo); break;
   }
 }
-
-#endif  // __AVX512F__
 
 template <typename RowBlock>
 void run(const float* x, int64_t m, int64_t k, int64_t n, int64_t nblocks, RowBlock row_block, float* out) {

@@ -53,7 +53,7 @@ def test_the_guarded_sources_compile_for_the_other_kinds_of_cpu_too(tmp_path: Pa
     guarded = [s for s in _SOURCES if "SLUICE_HAVE_AMX" in s.read_text() or "__AVX512F__" in s.read_text()]
     assert marches and guarded
     # One translation unit of all of them, so that torch/extension.h (most of the time) is parsed once per
-    # -march, not once per source: 5 sources took ~12 s each here, the five together ~14 s. The sources
+    # -march, not once per source: each took ~12 s here, all of them together ~14 s. The sources
     # keep their file-local names distinct for this (shared constants live in simd.h).
     unity = tmp_path / "guarded.cpp"
     unity.write_text("".join(f'#include "{s}"\n' for s in guarded))
