@@ -280,8 +280,8 @@ void pack_keys(const uint16_t* cache, int64_t bs, int64_t hkv, int64_t d, int64_
     for (int64_t i0 = 0; i0 < d; i0 += 16) {
       for (int64_t j = 0; j < 16; ++j) {  // key n0 + j, elements i0 .. i0 + 15
         const int64_t n = n0 + j;
-        r[j] = _mm512_setzero_si512();  // keys past ctx
-        if (n < c.ctx) r[j] = _mm512_castps_si512(from_bf16x16(cache + (c.table[n / bs] * bs + n % bs) * row + kvh * d + i0));
+        r[j] = n < c.ctx ? _mm512_castps_si512(from_bf16x16(cache + (c.table[n / bs] * bs + n % bs) * row + kvh * d + i0))
+                         : _mm512_setzero_si512();  // keys past ctx
       }
       transpose16(r);  // r[i]: element i0 + i of the 16 keys
       float* dst = out + (n0 / 16) * d * 16 + i0 * 16;

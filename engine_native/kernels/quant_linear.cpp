@@ -73,7 +73,7 @@ inline void row_dot(Block block, int64_t nblocks, const float* x, int64_t ldx, f
       for (int j = 0; j < A; ++j) acc[r][j] = _mm512_fmadd_ps(w[j], _mm512_loadu_ps(xb + 16 * j), acc[r][j]);
     }
   }
-  for (; b < nblocks; ++b) {  // the last of an odd number of blocks, two a pass
+  if (b < nblocks) {  // two blocks a pass and an odd number of them: the last one alone
     block(b, w);
     for (int r = 0; r < R; ++r) {
       const float* xb = x + r * ldx + b * kQuantBlock;
