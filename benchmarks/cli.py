@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from benchmarks import (
+    decode_attention,
     fleet,
     fleet_affinity,
     fleet_failover,
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefix_cache.add_arguments(sub)
     spike.add_arguments(sub)
     step_profile.add_arguments(sub)
+    decode_attention.add_arguments(sub)
     step_trace.add_arguments(sub)
     sweep.add_arguments(sub)
     ratelimit_admission.add_arguments(sub)

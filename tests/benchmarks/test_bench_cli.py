@@ -12,7 +12,7 @@ from gateway_server import SLUICE
 from benchmarks import cli, engine
 
 BENCHMARKS = ["serve", "engine", "gateway", "priority", "prefix", "spike", "sweep", "ratelimit", "tenants",
-              "observability", "stall", "steps"]
+              "observability", "stall", "steps", "attention"]
 PRODUCT_PACKAGES = ["gateway", "drivers", "engine_native", "tenants", "ratelimit", "observability", "web"]
 ROOT = Path(__file__).resolve().parents[2]
 

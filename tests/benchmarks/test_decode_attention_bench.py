@@ -1,0 +1,29 @@
+"""`sluice bench attention` runs at small sizes, reports both layouts, and finds the same output bits in both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import cli
+from engine_native.kernels import cpu_kernels
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_both_layouts_are_measured_and_agree(tmp_path: Path, dtype: str) -> None:
+    kernels = cpu_kernels()
+    if kernels is None or (dtype == "bfloat16" and not kernels.BF16_KV_CACHE):
+        pytest.skip("the kernels (or their bf16 cache) are not built for this CPU")
+    out = tmp_path / "attention.json"
+    args = cli.build_parser().parse_args(
+        ["attention", "--sequences", "5", "--context", "70", "--layers", "3", "--rounds", "2", "--pool-blocks", "64",
+         "--dtype", dtype, "--json-out", str(out)])
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert report["same_results"] is True
+    assert set(report["layouts"]) == {"scattered", "contiguous"}
+    for layout in report["layouts"].values():
+        assert len(layout["rounds_ms"]) == 2 and layout["median_ms"] > 0
+    assert report["kv_bytes"] > 0
