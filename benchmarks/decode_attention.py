@@ -31,7 +31,7 @@ LAYOUTS = ("scattered", "contiguous")
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("attention", help="the decode-attention kernel over scattered and contiguous KV blocks",
-                       description="sluice bench attention: " + (__doc__ or "").split("\n", 1)[0])
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sequences", type=int, default=32, help="decoding sequences, one query token each")
     p.add_argument("--context", type=int, default=200, help="longest context; lengths uniform in [context/2, context]")
     p.add_argument("--layers", type=int, default=30, help="calls per round, each over its own blocks")
@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     b, h, hkv, d, bs = args.sequences, args.heads, args.kv_heads, args.head_dim, args.block_size
     per_seq = (args.context + bs - 1) // bs
+    if b * per_seq > args.pool_blocks:
+        print(f"{b} sequences of {args.context} tokens need {b * per_seq} blocks: raise --pool-blocks")
+        return 2
     if b * per_seq * args.layers > args.pool_blocks:
         # Layers share the pool; each takes its own blocks where there are enough of them.
         print(f"note: {args.layers} layers x {b * per_seq} blocks exceed the pool: layers reuse blocks")
