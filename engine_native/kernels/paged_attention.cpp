@@ -140,7 +140,7 @@ struct NextRows {
 
 // scores[(kvh * g + j) * len + t] = (q_{kvh,j} . key_{t,kvh}) * scale for the KV heads [kv0, kv1) of one
 // sequence and the g query heads of each; `rows[t]` is token t's row of the cache (all KV heads, each
-// d elements), d % 16 == 0. Rows are read whole, in token order, with the next group's asked for ahead:
+// d elements), d % 16 == 0. Rows are read whole, in token order, asked for ahead (decode_scores):
 // the blocks are scattered over the pool and a row is read from memory, not cache.
 // Up to three query heads of one KV head against eight keys: each 16-lane chunk of a key is widened to fp32
 // once and multiplied by every head's query chunk (24 accumulators, 3 query chunks and the key chunk fit
@@ -177,7 +177,7 @@ template <typename KV>
 void decode_scores(const float* q, int64_t kv0, int64_t kv1, int64_t g, int64_t d, const KV* const* rows,
                    const KV* const* vrows, int64_t len, float scale, float* scores, const NextRows<KV>& next) {
   const int64_t nv = d / 16;
-  const int64_t next_per_group = (next.len + (len + 7) / 8 - 1) / ((len + 7) / 8);
+  const int64_t groups = (len + 7) / 8, next_per_group = (next.len + groups - 1) / groups;
   for (int64_t i = 0; i < std::min(kRowsAhead, len); ++i) {
     prefetch_row(rows[i], kv0 * d, kv1 * d);
     prefetch_row(vrows[i], kv0 * d, kv1 * d);
@@ -239,17 +239,14 @@ inline void store_chunks(const __m512* acc, float* out) {
 }
 
 // out[j] = sum_t p[j * len + t] * value_t for JN query heads and CN 16-element chunks of d starting at
-// `col`; every accumulator stays in a register for the whole walk over the context. The first
-// `prefetch` elements of the row `ahead` tokens on are asked for as it goes. Each output sums its
-// products in token order whatever the chunks' lane order.
+// `col`; every accumulator stays in a register for the whole walk over the context (decode_scores asked
+// for the rows). Each output sums its products in token order whatever the chunks' lane order.
 template <typename KV, int JN, int CN>
-void weighted_values(const float* p, int64_t len, const KV* const* values, int64_t col, int64_t d, float* out,
-                     int64_t prefetch) {
+void weighted_values(const float* p, int64_t len, const KV* const* values, int64_t col, int64_t d, float* out) {
   __m512 acc[JN][CN];
   for (int j = 0; j < JN; ++j)
     for (int c = 0; c < CN; ++c) acc[j][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
-    if (t + 8 < len) prefetch_row(values[t + 8], 0, prefetch);
     __m512 v[CN];
     load_chunks<KV, CN>(values[t] + col, v);
     for (int j = 0; j < JN; ++j) {
@@ -262,37 +259,33 @@ void weighted_values(const float* p, int64_t len, const KV* const* values, int64
 
 template <typename KV, int JN>
 void weighted_values_cols(const float* p, int64_t len, const KV* const* values, int64_t col, int64_t cn, int64_t d,
-                          float* out, int64_t prefetch) {
+                          float* out) {
   switch (cn) {
-    case 1: weighted_values<KV, JN, 1>(p, len, values, col, d, out, prefetch); break;
-    case 2: weighted_values<KV, JN, 2>(p, len, values, col, d, out, prefetch); break;
-    case 3: weighted_values<KV, JN, 3>(p, len, values, col, d, out, prefetch); break;
-    default: weighted_values<KV, JN, 4>(p, len, values, col, d, out, prefetch); break;
+    case 1: weighted_values<KV, JN, 1>(p, len, values, col, d, out); break;
+    case 2: weighted_values<KV, JN, 2>(p, len, values, col, d, out); break;
+    case 3: weighted_values<KV, JN, 3>(p, len, values, col, d, out); break;
+    default: weighted_values<KV, JN, 4>(p, len, values, col, d, out); break;
   }
 }
 
-// out[kvh * g + j] = sum_t p[(kvh * g + j) * len + t] * value_{t,kvh} for the KV heads [kv0, kv1). The first
-// walk asks for whole rows ahead, so the later heads' walks find them in cache.
+// out[kvh * g + j] = sum_t p[(kvh * g + j) * len + t] * value_{t,kvh} for the KV heads [kv0, kv1).
 template <typename KV>
 void decode_values(const float* p, int64_t kv0, int64_t kv1, int64_t g, int64_t d, const KV* const* rows,
                    int64_t len, float* out, std::vector<const KV*>& shifted) {
   shifted.resize(static_cast<size_t>(len));
-  bool first = true;
   for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
     for (int64_t t = 0; t < len; ++t) shifted[t] = rows[t] + kvh * d;
     for (int64_t j0 = 0; j0 < g; j0 += 4) {  // at most 4 heads x 4 chunks = 16 accumulators at a time
       const int64_t jn = std::min<int64_t>(4, g - j0);
       for (int64_t col = 0; col < d; col += 64) {
         const int64_t cn = std::min<int64_t>(4, (d - col) / 16);
-        const int64_t ahead = first ? (kv1 - kvh) * d : 0;
-        first = false;
         const float* pj = p + (kvh * g + j0) * len;
         float* oj = out + (kvh * g + j0) * d;
         switch (jn) {
-          case 1: weighted_values_cols<KV, 1>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
-          case 2: weighted_values_cols<KV, 2>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
-          case 3: weighted_values_cols<KV, 3>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
-          default: weighted_values_cols<KV, 4>(pj, len, shifted.data(), col, cn, d, oj, ahead); break;
+          case 1: weighted_values_cols<KV, 1>(pj, len, shifted.data(), col, cn, d, oj); break;
+          case 2: weighted_values_cols<KV, 2>(pj, len, shifted.data(), col, cn, d, oj); break;
+          case 3: weighted_values_cols<KV, 3>(pj, len, shifted.data(), col, cn, d, oj); break;
+          default: weighted_values_cols<KV, 4>(pj, len, shifted.data(), col, cn, d, oj); break;
         }
       }
     }
