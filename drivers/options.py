@@ -34,6 +34,9 @@ class EngineOptions:
     prefill_attention_dtype: str | None = None
     """What the native CPU path's prefill attention computes in: "float32" or "kv", the KV cache's
     dtype (--prefill-attention-dtype)."""
+    bf16_panel_max_rows: int | None = None
+    """Pure-decode steps of up to this many sequences through the native engine's bf16 panel kernel where the
+    CPU has AVX-512 BF16 and no AMX; 0: oneDNN only (--bf16-panel-max-rows)."""
     num_threads: int | None = None
     """Torch CPU threads per engine; None: torch's choice (--num-threads)."""
     max_model_len: int | None = None

@@ -62,7 +62,7 @@ class DeviceForward:
     def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0) -> int:
         return 0  # the quantized blocks are a CPU kernel's
 
-    def pack_dense(self, batch_hint: int = 32) -> int:
+    def pack_dense(self, batch_hint: int = 32, bf16_panel_max_rows: int = 0) -> int:
         return 0  # oneDNN's packed layout is a CPU GEMM's
 
     def place_on(self, device: torch.device) -> None:

@@ -102,8 +102,12 @@ class LLMEngine:
             log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices%s",
                      config.quantized_max_rows, num_quantized,
                      f" (<= {panel} through the panel kernels)" if panel else "")
-        if config.pack_weights and on_cpu and (num_packed := self.loaded.model.pack_dense()):
-            log.info("%d dense weight matrices pre-packed for oneDNN", num_packed)
+        if config.pack_weights and on_cpu and (
+            num_packed := self.loaded.model.pack_dense(bf16_panel_max_rows=config.bf16_panel_max_rows)
+        ):
+            panel = getattr(self.loaded.model, "bf16_panel_max_rows", 0)  # 0 where the kernel does not run
+            log.info("%d dense weight matrices pre-packed for oneDNN%s", num_packed,
+                     f" (decode steps of <= {panel} sequences through the bf16 panels)" if panel else "")
         # The quantized steps (and the fused decoder among them) attend through Sluice's kernels, which
         # take an fp32 cache anywhere and a bf16 one on AVX-512; bf16 halves the bytes a decode reads.
         default_kv_dtype = self.loaded.dtype

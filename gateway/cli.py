@@ -39,6 +39,13 @@ def parse_bytes(text: str) -> int:
     return int(value * 1024 ** "bkmgt".index(unit[0]))
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Settings) -> None:
     p = sub.add_parser(
         "serve",
@@ -127,6 +134,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         "a recomputed request keeps its greedy tokens; on AMX CPUs with a bf16 cache Sluice's split-bf16 "
         "kernel, within 2^-17 of fp32); float32-sdpa: PyTorch's fp32 SDPA everywhere; kv: the KV cache's "
         "dtype, q and the softmax probabilities rounded to bf16 (docs/engine.md, Numerics)"
+    )
+    p.add_argument(
+        "--bf16-panel-max-rows", type=_non_negative_int, default=None,
+        help="pure-decode steps of up to this many sequences multiply by the bf16 weights laid out for AVX-512 "
+        "BF16 dot products where the CPU has them and no AMX (a second copy of the dense weights), 0: oneDNN "
+        "only; default: the engine's (256)"
     )
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="cap on sequences running in one engine step; default: the engine's")
@@ -328,6 +341,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         device=args.device,
         attention_backend=args.attention_backend,
         prefill_attention_dtype=args.prefill_attention_dtype,
+        bf16_panel_max_rows=args.bf16_panel_max_rows,
         num_threads=args.num_threads,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

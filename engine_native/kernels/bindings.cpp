@@ -9,6 +9,7 @@ void register_sample(pybind11::module& m);
 void register_amx_linear(pybind11::module& m);
 void register_prefill_attention(pybind11::module& m);
 void register_quant_panel(pybind11::module& m);
+void register_bf16_panel(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant_linear(m);
@@ -19,4 +20,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_amx_linear(m);
   register_prefill_attention(m);
   register_quant_panel(m);
+  register_bf16_panel(m);
 }

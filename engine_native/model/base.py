@@ -50,9 +50,11 @@ class CausalLM(Protocol):
         returns how many weight matrices will (0 where unsupported)."""
         ...
 
-    def pack_dense(self, batch_hint: int = 32) -> int:
+    def pack_dense(self, batch_hint: int = 32, bf16_panel_max_rows: int = 0) -> int:
         """Lay the dense weights out for the host's GEMM library once, where that is faster and
-        changes no result; returns how many matrices were (0 where it does not apply)."""
+        changes no result, and for the bf16 panel kernel (pure-decode steps of up to
+        `bf16_panel_max_rows` sequences) where the CPU has it; returns how many matrices were packed (0
+        where it does not apply)."""
         ...
 
     def place_on(self, device: torch.device) -> None:

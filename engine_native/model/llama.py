@@ -32,6 +32,12 @@ from engine_native.kernels import cpu_kernels
 from engine_native.model.attention import AttentionPlan, paged_attention, prefill_kernel_fits, write_kv
 from engine_native.model.attention_backends import AttentionBackend, StepAttention
 from engine_native.model.base import ModelLoadError
+from engine_native.model.bf16_panel import (
+    bf16_panel_available,
+    bf16_panel_fits,
+    bf16_panel_linear,
+    to_bf16_panel,
+)
 from engine_native.model.quant import (
     PanelWeight,
     Q41Weight,
@@ -149,15 +155,27 @@ class DecoderLayer(nn.Module):
         self.panel_max_rows = 0
         # The dense matrices in oneDNN's own layout (pack_dense), which replace the plain ones.
         self.packed: dict[str, torch.Tensor] = {}
+        # The dense bf16 matrices laid out for kernels/bf16_panel.cpp (pack_dense), used in pure-decode steps
+        # of more than quantized_max_rows sequences, up to bf16_panel_max_rows; the bias widened to fp32.
+        self.bf16_panels: dict[str, torch.Tensor] = {}
+        self.bf16_panel_max_rows = 0
+        self.qkv_bias_fp32: torch.Tensor | None = None
 
-    def pack_dense(self, batch_hint: int) -> int:
+    def pack_dense(self, batch_hint: int, bf16_panel_max_rows: int = 0) -> int:
         """Keep the four dense matrices in oneDNN's blocked layout and drop the plain copies; returns
         how many. F.linear on a bf16 CPU re-lays the weight out on every call, which at 32 tokens a
-        step costs a third of the GEMM (the same products and sums: results are bit-identical)."""
+        step costs a third of the GEMM (the same products and sums: results are bit-identical).
+        With `bf16_panel_max_rows` (the caller checked the kernel) each matrix that fits is also laid out
+        for the bf16 panel kernel, for pure-decode steps of up to that many sequences."""
+        self.bf16_panel_max_rows = bf16_panel_max_rows
         for name in _DENSE:
             weight = getattr(self, name)
+            if bf16_panel_max_rows > 0 and bf16_panel_fits(weight.data):
+                self.bf16_panels[name] = to_bf16_panel(weight.data)
             self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(weight.data, batch_hint)
             setattr(self, name, _frozen(torch.empty(0, dtype=weight.dtype)))
+        if self.qkv_bias is not None:
+            self.qkv_bias_fp32 = self.qkv_bias.data.float()  # oneDNN too adds the bias to the fp32 sums
         return len(_DENSE)
 
     def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0) -> int:
@@ -181,10 +199,10 @@ class DecoderLayer(nn.Module):
 
     def _linear(
         self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, keep_dtype: bool = False,
-        amx: bool = False,
+        pure_decode: bool = False,
     ) -> torch.Tensor:
         """x @ W^T in float32, or with `keep_dtype` (only where `_bf16_io`) as the dense GEMM returns it;
-        `amx`: a pure-decode step, which may take the AMX kernel."""
+        `pure_decode`: a step of decodes only, which may take the AMX or the bf16 panel kernel."""
         blocks = self.quantized.get(name)
         if blocks is not None and x.shape[0] <= self.quantized_max_rows:
             return quant_linear(x, blocks, bias)
@@ -192,9 +210,13 @@ class DecoderLayer(nn.Module):
         if panel is not None and x.shape[0] <= self.panel_max_rows:
             return panel_linear(x, panel, bias)
         amx_blocks = self.amx.get(name)
-        if amx_blocks is not None and amx and x.shape[0] <= self.amx_max_rows:
+        if amx_blocks is not None and pure_decode and x.shape[0] <= self.amx_max_rows:
             out = amx_linear(x, amx_blocks)
             return out if keep_dtype else out.float()
+        bf16_panel = self.bf16_panels.get(name)
+        if bf16_panel is not None and pure_decode and x.shape[0] <= self.bf16_panel_max_rows:
+            bias_fp32 = self.qkv_bias_fp32 if bias is not None else None  # only q/k/v has a bias
+            return bf16_panel_linear(x, bf16_panel, bias_fp32, out_bf16=keep_dtype)
         packed = self.packed.get(name)
         out = (
             _packed_linear(x.to(self.dtype), packed, bias)
@@ -217,28 +239,30 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         plan: AttentionPlan | StepAttention,
-        amx: bool = False,
+        pure_decode: bool = False,
     ) -> torch.Tensor:
-        """x: the float32 residual stream [T, hidden]; `amx`: a pure-decode step (`_linear`)."""
+        """x: the float32 residual stream [T, hidden]; `pure_decode`: a step of decodes only (`_linear`)."""
         cfg = self.config
         t = x.shape[0]
         kernels = cpu_kernels() if self.rowwise_kernels and cache_in_kernels(k_cache) else None
         if kernels is not None:  # the row-wise steps as one C++ pass each (kernels/elementwise.cpp)
             bf16 = self._bf16_io(t)
             h = kernels.rms_norm(x, self.input_norm, cfg.rms_norm_eps, out_bf16=bf16)
-            qkv = self._linear(h, "qkv_weight", self.qkv_bias, keep_dtype=bf16, amx=amx)
+            qkv = self._linear(h, "qkv_weight", self.qkv_bias, keep_dtype=bf16, pure_decode=pure_decode)
             q = kernels.rope_write_kv(qkv, cos.view(t, -1), sin.view(t, -1), k_cache, v_cache, slots,
                                       cfg.num_heads, cfg.num_kv_heads)
             if isinstance(plan, AttentionPlan):
                 attn = paged_attention(q, k_cache, v_cache, plan)
             else:  # another backend (model/attention_backends.py)
                 attn = plan.attend(q, k_cache, v_cache)
-            o = self._linear(attn.reshape(t, self.q_size), "o_weight", keep_dtype=bf16, amx=amx)
+            o = self._linear(attn.reshape(t, self.q_size), "o_weight", keep_dtype=bf16, pure_decode=pure_decode)
             h = kernels.add_rms_norm(x, o, self.post_norm, cfg.rms_norm_eps, out_bf16=bf16)
-            act = kernels.silu_mul(self._linear(h, "gate_up_weight", keep_dtype=bf16, amx=amx), out_bf16=bf16)
-            return x.add_(self._linear(act, "down_weight", keep_dtype=bf16, amx=amx))  # fp32 += bf16 widens exactly
+            gate_up = self._linear(h, "gate_up_weight", keep_dtype=bf16, pure_decode=pure_decode)
+            act = kernels.silu_mul(gate_up, out_bf16=bf16)
+            # fp32 += bf16 widens exactly
+            return x.add_(self._linear(act, "down_weight", keep_dtype=bf16, pure_decode=pure_decode))
         h = F.rms_norm(x, (x.shape[-1],), self.input_norm, cfg.rms_norm_eps)
-        qkv = self._linear(h, "qkv_weight", self.qkv_bias, amx=amx)
+        qkv = self._linear(h, "qkv_weight", self.qkv_bias, pure_decode=pure_decode)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
@@ -247,10 +271,10 @@ class DecoderLayer(nn.Module):
             attn = paged_attention(q, k_cache, v_cache, plan)
         else:  # another backend (model/attention_backends.py)
             attn = plan.attend(q, k_cache, v_cache)
-        x = x + self._linear(attn.reshape(t, self.q_size), "o_weight", amx=amx)
+        x = x + self._linear(attn.reshape(t, self.q_size), "o_weight", pure_decode=pure_decode)
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, cfg.rms_norm_eps)
-        gate, up = self._linear(h, "gate_up_weight", amx=amx).chunk(2, dim=-1)
-        return x + self._linear(F.silu(gate) * up, "down_weight", amx=amx)
+        gate, up = self._linear(h, "gate_up_weight", pure_decode=pure_decode).chunk(2, dim=-1)
+        return x + self._linear(F.silu(gate) * up, "down_weight", pure_decode=pure_decode)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -280,6 +304,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_panel: PanelWeight | None = None
         self.panel_max_rows = 0
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_bf16_panel: torch.Tensor | None = None
+        self.bf16_panel_max_rows = 0
         self.quantized_max_rows = 0
         self._fused: Any | None = None  # kernels.FusedDecoder, built at the first step that can use it
         self._fused_key: int | None = None
@@ -317,12 +343,21 @@ class LlamaForCausalLM(nn.Module):
                      for layer in self.layers)
         return layers + (self.lm_head_quantized is not None or self.lm_head_panel is not None)
 
-    def pack_dense(self, batch_hint: int = 32) -> int:
+    def pack_dense(self, batch_hint: int = 32, bf16_panel_max_rows: int = 0) -> int:
         """Pre-pack every dense weight matrix for oneDNN where that is faster (`can_pack`); returns
-        how many were. The LM head gets a packed copy: a tied one is the embedding table too."""
+        how many were. The LM head gets a packed copy: a tied one is the embedding table too.
+        Where the CPU has AVX-512 BF16 but no AMX (whose own kernels take such steps), the matrices are also
+        laid out for the bf16 panel kernel, used by pure-decode steps of more than quantized_max_rows
+        sequences, up to `bf16_panel_max_rows` (0: never); a second copy of the dense weights."""
         if not can_pack(self.dtype) or self.lm_head_packed is not None:
             return 0
-        packed = sum(layer.pack_dense(batch_hint) for layer in self.layers)  # type: ignore[operator]
+        if not (bf16_panel_max_rows > self.quantized_max_rows and bf16_panel_available() and not amx_available()):
+            bf16_panel_max_rows = 0
+        self.bf16_panel_max_rows = bf16_panel_max_rows
+        if bf16_panel_max_rows and bf16_panel_fits(self.lm_head.data):
+            self.lm_head_bf16_panel = to_bf16_panel(self.lm_head.data)
+        packed = sum(layer.pack_dense(batch_hint, bf16_panel_max_rows)  # type: ignore[operator]
+                     for layer in self.layers)
         self.lm_head_packed = torch.ops.mkldnn._reorder_linear_weight(self.lm_head.data, batch_hint)
         if self.lm_head is not self.embed:
             self.lm_head = _frozen(torch.empty(0, dtype=self.dtype))
@@ -414,11 +449,12 @@ class LlamaForCausalLM(nn.Module):
                                             prefill_kernel=self.prefill_attention_kernel_on and prefill_kernel_fits(kv_cache.k[0]))
         cos, sin = self.rope.lookup(batch.positions)
         x = F.embedding(batch.input_ids, self.embed).float()
-        # The AMX kernel takes pure-decode steps only: a prompt is multiplied by oneDNN whatever its
-        # length, so its first token does not depend on which kernel a prompt of its size gets.
-        amx = batch.is_pure_decode
+        # The AMX and bf16 panel kernels take pure-decode steps only: a prompt is multiplied by oneDNN
+        # whatever its length, so its first token does not depend on which kernel a prompt of its size gets.
+        pure_decode = batch.is_pure_decode
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch.slot_mapping, kv_cache.k[i], kv_cache.v[i], plan, amx=amx)
+            x = layer(x, cos, sin, batch.slot_mapping, kv_cache.k[i], kv_cache.v[i], plan,
+                      pure_decode=pure_decode)
         # Norm and lm_head only on the rows whose logits are wanted: the vocab GEMM dominates.
         h = x[batch.logits_indices]
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.config.rms_norm_eps)
@@ -426,6 +462,8 @@ class LlamaForCausalLM(nn.Module):
             return quant_linear(h, self.lm_head_quantized)
         if self.lm_head_panel is not None and h.shape[0] <= self.panel_max_rows:
             return panel_linear(h, self.lm_head_panel)
+        if self.lm_head_bf16_panel is not None and pure_decode and h.shape[0] <= self.bf16_panel_max_rows:
+            return bf16_panel_linear(h, self.lm_head_bf16_panel)
         if self.lm_head_packed is not None:
             return _packed_linear(h.to(self.dtype), self.lm_head_packed).float()
         return F.linear(h.to(self.dtype), self.lm_head).float()

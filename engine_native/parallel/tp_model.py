@@ -52,9 +52,10 @@ class ParallelDecoderLayer(DecoderLayer):
 
     def _linear(
         self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, keep_dtype: bool = False,
-        amx: bool = False,
+        pure_decode: bool = False,
     ) -> torch.Tensor:
-        # `amx` changes nothing here: the TP shards keep no quantized blocks (enable_quantized is off).
+        # `pure_decode` changes nothing here: the TP shards keep no quantized blocks or panels (enable_quantized
+        # and pack_dense are off).
         if name in _ROW_PARALLEL and self.tp_group is not None:
             out = super()._linear(x, name, bias)  # the partial sums are added in fp32, never in bf16
             self.clock.all_reduce(out, self.tp_group)
@@ -101,7 +102,7 @@ class TensorParallelLlama(nn.Module):
     def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0) -> int:
         return 0  # dense only (see the module docstring)
 
-    def pack_dense(self, batch_hint: int = 32) -> int:
+    def pack_dense(self, batch_hint: int = 32, bf16_panel_max_rows: int = 0) -> int:
         return 0  # plain dense weights: the TP shards are not pre-packed (yet)
 
     def place_on(self, device: torch.device) -> None:

@@ -23,6 +23,7 @@ def test_unset_knobs_keep_the_engine_defaults() -> None:
     assert config.engine.cache == CacheConfig()
     assert config.engine.dtype == EngineConfig(model_path="x").dtype
     assert config.engine.prefill_attention_dtype == EngineConfig(model_path="x").prefill_attention_dtype
+    assert config.engine.bf16_panel_max_rows == EngineConfig(model_path="x").bf16_panel_max_rows
     assert config.num_engines == 1
     assert config.engine_config(0).node_id == "node-0"
 
@@ -41,6 +42,15 @@ def test_environment_then_flags_reach_every_engine() -> None:
     assert wave.engine.scheduler.wave_budget_factor == 1
     kv = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--prefill-attention-dtype", "kv"]))
     assert [kv.engine_config(i).prefill_attention_dtype for i in range(2)] == ["kv", "kv"]
+
+
+def test_the_bf16_panel_flag_reaches_the_engine_and_a_negative_one_is_refused() -> None:
+    import pytest
+
+    config = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--bf16-panel-max-rows", "0"]))
+    assert [config.engine_config(i).bf16_panel_max_rows for i in range(2)] == [0, 0]
+    with pytest.raises(SystemExit):
+        serve_options(["--bf16-panel-max-rows", "-1"])
 
 
 def test_zero_waiting_tokens_means_no_token_bound() -> None:

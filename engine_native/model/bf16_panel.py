@@ -1,0 +1,48 @@
+"""The dense bf16 weights laid out once for kernels/bf16_panel.cpp, and the product through it.
+
+On a CPU with AVX-512 BF16 and no AMX, a pure-decode step of 9 to a few hundred sequences multiplies by
+these panels instead of oneDNN's packed weights: the same bf16 weights and inputs, products added in fp32,
+only the order of the additions differs (the kernel's header says why it is faster). Prompts stay on
+oneDNN, so a prompt's first token does not depend on which kernel a step of its size would get.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_native.kernels import cpu_kernels
+
+PANEL_COLUMNS = 32  # output columns (weight rows) per panel: kernels/bf16_panel.cpp kPanelCols
+
+
+def bf16_panel_available() -> bool:
+    """Whether `bf16_panel_linear` runs here: the kernels built for a CPU with AVX-512 BF16."""
+    kernels = cpu_kernels()
+    return kernels is not None and bool(kernels.bf16_panel_available())
+
+
+def bf16_panel_fits(weight: torch.Tensor) -> bool:
+    """A bf16 [N, K] weight with N a multiple of the panel width and K even (the kernel reads pairs)."""
+    return (
+        weight.dim() == 2
+        and weight.dtype == torch.bfloat16
+        and weight.shape[0] % PANEL_COLUMNS == 0
+        and weight.shape[1] % 2 == 0
+    )
+
+
+def to_bf16_panel(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> [N/32, K/2, 32, 2]: per 32 weight rows and k-pair, the rows' two values in turn."""
+    n, k = weight.shape
+    return weight.view(n // PANEL_COLUMNS, PANEL_COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def bf16_panel_linear(
+    x: torch.Tensor, panel: torch.Tensor, bias: torch.Tensor | None = None, out_bf16: bool = False
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias, fp32) -> [M, N]: bf16 with `out_bf16`, else fp32. x is rounded to bf16 first,
+    as the dense GEMM's input is."""
+    kernels = cpu_kernels()
+    assert kernels is not None
+    out: torch.Tensor = kernels.bf16_panel_linear(x.to(torch.bfloat16).contiguous(), panel, bias, out_bf16)
+    return out

@@ -1,0 +1,184 @@
+"""The bf16 panel path (kernels/bf16_panel.cpp): the dense bf16 weights laid out for AVX-512 BF16 dot
+products, so a pure-decode step that takes it differs from oneDNN's bf16 GEMM only in the order of
+additions, and a row's result does not depend on how many rows share its step."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_native.config import CacheConfig, EngineConfig
+from engine_native.engine import LLMEngine
+from engine_native.kernels import cpu_kernels
+from engine_native.model.bf16_panel import (
+    bf16_panel_available,
+    bf16_panel_fits,
+    bf16_panel_linear,
+    to_bf16_panel,
+)
+from engine_native.model.bundled import bundled_model_path
+from engine_native.model.loader import load_model
+from engine_native.model.quant import amx_available
+from engine_native.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_model_support import PagedSequences
+
+needs_bf16_panel = pytest.mark.skipif(
+    not bf16_panel_available(), reason="this CPU has no AVX-512 BF16: oneDNN takes every step"
+)
+# Where the CPU has AMX its own kernels take the decode steps and the engine keeps no panels.
+panels_on_here = bf16_panel_available() and not amx_available()
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05).to(torch.bfloat16)
+
+
+@needs_bf16_panel
+def test_the_panel_holds_exactly_the_dense_weights() -> None:
+    """One-hot rows of x pick single weights out: each product is exact, so the output is the weight."""
+    w = _weight(64, 96, seed=1)
+    picked = bf16_panel_linear(torch.eye(96, dtype=torch.bfloat16), to_bf16_panel(w))  # [96, 64] fp32
+    assert torch.equal(picked.T, w.float())
+
+
+@needs_bf16_panel
+@pytest.mark.parametrize("rows", [1, 9, 12, 13, 32, 37, 64, 100])
+def test_the_product_equals_the_dense_one_up_to_summation_order(rows: int) -> None:
+    w, bias = _weight(96, 576, seed=rows), torch.randn(96, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    panel = to_bf16_panel(w)
+    out = bf16_panel_linear(x, panel, bias)
+    reference = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-5 * float(reference.abs().max()))
+    # The bf16 result is the fp32 one rounded to nearest even, as torch (and oneDNN's bf16 output) round.
+    assert torch.equal(bf16_panel_linear(x, panel, bias, out_bf16=True), out.to(torch.bfloat16))
+    # A row's result is the same bits whichever pass of the kernel it falls in.
+    for r in (0, rows - 1):
+        assert torch.equal(bf16_panel_linear(x[r : r + 1], panel, bias), out[r : r + 1])
+    # fp32 input is rounded to bf16 first, as the dense GEMM's input is.
+    assert torch.equal(bf16_panel_linear(x.float(), panel, bias), out)
+
+
+def test_what_fits_and_bad_layouts_are_refused_not_misread() -> None:
+    assert bf16_panel_fits(_weight(64, 96, 0))
+    assert not bf16_panel_fits(_weight(48, 96, 0))  # rows not a multiple of the 32-column panel
+    assert not bf16_panel_fits(_weight(64, 95, 0))  # K odd: the kernel reads pairs
+    assert not bf16_panel_fits(_weight(64, 96, 0).float())
+    kernels = cpu_kernels()
+    assert kernels is not None
+    panel = to_bf16_panel(_weight(64, 96, 0))
+    if not bf16_panel_available():
+        with pytest.raises(RuntimeError, match="AVX-512 BF16 is not available"):
+            kernels.bf16_panel_linear(torch.zeros(1, 96, dtype=torch.bfloat16), panel, None, True)
+        return
+    with pytest.raises(RuntimeError, match="columns"):
+        kernels.bf16_panel_linear(torch.zeros(4, 64, dtype=torch.bfloat16), panel, None, True)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.bf16_panel_linear(torch.zeros(4, 96), panel, None, True)
+    with pytest.raises(RuntimeError, match="panel"):
+        kernels.bf16_panel_linear(torch.zeros(4, 96, dtype=torch.bfloat16), panel.float(), None, True)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.bf16_panel_linear(torch.zeros(4, 96, dtype=torch.bfloat16), panel, torch.zeros(63), True)
+
+
+@pytest.mark.skipif(not panels_on_here, reason="no AVX-512 BF16, or AMX takes these steps")
+def test_a_decode_step_through_the_panels_gives_onednns_logits_and_prompts_stay_on_onednn() -> None:
+    loaded = load_model(bundled_model_path(), dtype=torch.bfloat16, progress=False)
+    model = loaded.model
+    model.enable_quantized(8)
+    assert model.pack_dense(bf16_panel_max_rows=64) == 4 * loaded.config.num_layers + 1
+    assert len(model.layers[0].bf16_panels) == 4 and model.lm_head_bf16_panel is not None
+
+    def logits(panel_rows: int) -> list[torch.Tensor]:
+        model.bf16_panel_max_rows = panel_rows
+        for layer in model.layers:
+            layer.bf16_panel_max_rows = panel_rows
+        seqs = PagedSequences(loaded.config, num_blocks=128, block_size=16, dtype=torch.bfloat16, seed=3)
+        prompts = [list(range(100 + 7 * i, 105 + 7 * i)) for i in range(12)]  # 12 x 5 tokens: one 60-row step
+        prefill = model.forward(seqs.step([(i, p) for i, p in enumerate(prompts)]), seqs.cache)
+        decode = model.forward(seqs.step([(i, [300 + i]) for i in range(len(prompts))]), seqs.cache)  # 12 rows
+        return [prefill, decode]
+
+    onednn = logits(0)
+    panel = logits(64)
+    # A prompt step stays on oneDNN within bf16_panel_max_rows too: the same logits, the same K/V for the decode.
+    assert torch.equal(onednn[0], panel[0])
+    assert not torch.equal(onednn[1], panel[1])  # the decode did take the other kernel
+    # Each GEMM's bf16 outputs are oneDNN's but for rare last-bit flips (the test below); SmolLM2 carries
+    # ~25,000 in a few residual channels, where one bf16 step is 128, so a flip there moves the logits
+    # by a few tenths after 30 layers. The panel's logits are its fp32 sums, oneDNN's come back rounded to
+    # bf16 (a step of 0.125 at 16-32, where two tokens can tie exactly): each row's pick is oneDNN's best
+    # or within that drift of it.
+    torch.testing.assert_close(panel[1], onednn[1], atol=0.5, rtol=0.02)
+    best = onednn[1].max(-1).values
+    picked = onednn[1].gather(-1, panel[1].argmax(-1, keepdim=True)).squeeze(-1)
+    assert bool((picked >= best - 0.5).all())
+    assert int((panel[1].argmax(-1) == onednn[1].argmax(-1)).sum()) >= 9
+
+
+@needs_bf16_panel
+def test_the_models_own_products_are_onednns_but_for_rare_last_bit_flips() -> None:
+    loaded = load_model(bundled_model_path(), dtype=torch.bfloat16, progress=False)
+    layer = loaded.model.layers[3]
+    for seed, name in enumerate(("qkv_weight", "o_weight", "gate_up_weight", "down_weight")):
+        w = getattr(layer, name).data
+        x = (torch.randn(12, w.shape[1], generator=torch.Generator().manual_seed(seed)) * 3).to(torch.bfloat16)
+        onednn = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 32), None,
+                                                    "none", [], "")
+        panel = bf16_panel_linear(x, to_bf16_panel(w), out_bf16=True)
+        flipped = onednn != panel
+        assert float(flipped.float().mean()) < 1e-3, name
+        # A flip is one step of bf16 at that value: the two fp32 sums fell either side of a rounding midpoint.
+        step = 2.0 ** (torch.frexp(onednn.float()[flipped])[1] - 8).double()
+        assert bool(((onednn.double() - panel.double())[flipped].abs() <= step).all()), name
+
+
+def test_the_panels_are_off_where_the_dense_weights_are_not_bf16_or_amx_takes_the_steps() -> None:
+    loaded = load_model(bundled_model_path(), dtype=torch.float32, progress=False)
+    loaded.model.pack_dense(bf16_panel_max_rows=64)
+    assert loaded.model.bf16_panel_max_rows == 0 and not loaded.model.layers[0].bf16_panels
+    engine = LLMEngine(EngineConfig(model_path=bundled_model_path(), cache=CacheConfig(num_blocks=64)),
+                       progress=False)
+    assert (engine.loaded.model.bf16_panel_max_rows > 0) == (panels_on_here and engine.loaded.dtype == torch.bfloat16)
+
+
+@pytest.mark.skipif(not panels_on_here, reason="no AVX-512 BF16, or AMX takes these steps")
+def test_greedy_answers_of_a_batch_of_12_are_as_faithful_as_onednns() -> None:
+    """12 sequences decode in steps of 12 rows through the panels or through oneDNN. The two differ in the
+    order of additions and in the logits (fp32 sums against oneDNN's bf16-rounded ones, where two tokens can
+    tie exactly), so a near tie can go either way: Hugging Face in fp32, teacher-forced on each engine's
+    greedy output, must agree with the panels' tokens at least as often as with oneDNN's (minus 0.01), and
+    find none more than 1 nat below its best (the bar of test_numerics.py)."""
+    from test_numerics import _hf, agreement
+
+    questions = ["What is the capital of France?", "Name three primary colours.", "What is 12 times 12?",
+                 "Write one sentence about the sea.", "Give me a word that rhymes with cat.",
+                 "What colour is the sky on a clear day?", "Translate 'good morning' to Spanish.",
+                 "How many legs does a spider have?", "Name a planet.", "What is water made of?",
+                 "Say hello in French.", "What is the opposite of hot?"]
+
+    def engine(panel_rows: int) -> LLMEngine:
+        return LLMEngine(EngineConfig(model_path=bundled_model_path(), bf16_panel_max_rows=panel_rows,
+                                      cache=CacheConfig(num_blocks=512)), progress=False)
+
+    panel, onednn = engine(256), engine(0)
+    assert panel.loaded.model.bf16_panel_max_rows == 256 and onednn.loaded.model.bf16_panel_max_rows == 0
+    tok = panel.tokenizer
+    assert tok is not None
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+               for q in questions]
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    got = panel.generate(prompts, greedy)
+    assert "Paris" in tok.decode(got[0])
+    hf_fp32 = _hf(torch.float32)
+    rate, worst_gap = agreement(hf_fp32, prompts, got)
+    onednn_rate, onednn_gap = agreement(hf_fp32, prompts, onednn.generate(prompts, greedy))
+    print(f"agreement with HF fp32: panels {rate:.3f} (worst gap {worst_gap:.3f} nat), "
+          f"oneDNN {onednn_rate:.3f} ({onednn_gap:.3f})")
+    assert rate >= onednn_rate - 0.01
+    assert worst_gap <= 1.0
