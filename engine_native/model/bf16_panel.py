@@ -8,11 +8,23 @@ oneDNN, so a prompt's first token does not depend on which kernel a step of its 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from engine_native.kernels import cpu_kernels
 
-PANEL_COLUMNS = 32  # output columns (weight rows) per panel: kernels/bf16_panel.cpp kPanelCols
+PANEL_COLUMNS = 48  # output columns (weight rows) per panel: kernels/bf16_panel.cpp kPanelCols
+
+
+@dataclass(frozen=True)
+class Bf16Panel:
+    """A bf16 [N, K] weight as [ceil(N/48), K/2, 48, 2]: per 48 weight rows and k-pair, the rows' two values
+    in turn; the rows past N are zeros."""
+
+    data: torch.Tensor
+    out_features: int
 
 
 def bf16_panel_available() -> bool:
@@ -22,27 +34,24 @@ def bf16_panel_available() -> bool:
 
 
 def bf16_panel_fits(weight: torch.Tensor) -> bool:
-    """A bf16 [N, K] weight with N a multiple of the panel width and K even (the kernel reads pairs)."""
-    return (
-        weight.dim() == 2
-        and weight.dtype == torch.bfloat16
-        and weight.shape[0] % PANEL_COLUMNS == 0
-        and weight.shape[1] % 2 == 0
-    )
+    """A bf16 [N, K] weight with K even (the kernel reads pairs)."""
+    return weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[0] > 0 and weight.shape[1] % 2 == 0
 
 
-def to_bf16_panel(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] bf16 -> [N/32, K/2, 32, 2]: per 32 weight rows and k-pair, the rows' two values in turn."""
+def to_bf16_panel(weight: torch.Tensor) -> Bf16Panel:
     n, k = weight.shape
-    return weight.view(n // PANEL_COLUMNS, PANEL_COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    padded = F.pad(weight, (0, 0, 0, -n % PANEL_COLUMNS))
+    data = padded.view(-1, PANEL_COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return Bf16Panel(data, n)
 
 
 def bf16_panel_linear(
-    x: torch.Tensor, panel: torch.Tensor, bias: torch.Tensor | None = None, out_bf16: bool = False
+    x: torch.Tensor, panel: Bf16Panel, bias: torch.Tensor | None = None, out_bf16: bool = False
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias, fp32) -> [M, N]: bf16 with `out_bf16`, else fp32. x is rounded to bf16 first,
     as the dense GEMM's input is."""
     kernels = cpu_kernels()
     assert kernels is not None
-    out: torch.Tensor = kernels.bf16_panel_linear(x.to(torch.bfloat16).contiguous(), panel, bias, out_bf16)
+    out: torch.Tensor = kernels.bf16_panel_linear(x.to(torch.bfloat16).contiguous(), panel.data,
+                                                  panel.out_features, bias, out_bf16)
     return out

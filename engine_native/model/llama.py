@@ -33,6 +33,7 @@ from engine_native.model.attention import AttentionPlan, paged_attention, prefil
 from engine_native.model.attention_backends import AttentionBackend, StepAttention
 from engine_native.model.base import ModelLoadError
 from engine_native.model.bf16_panel import (
+    Bf16Panel,
     bf16_panel_available,
     bf16_panel_fits,
     bf16_panel_linear,
@@ -157,7 +158,7 @@ class DecoderLayer(nn.Module):
         self.packed: dict[str, torch.Tensor] = {}
         # The dense bf16 matrices laid out for kernels/bf16_panel.cpp (pack_dense), used in pure-decode steps
         # of more than quantized_max_rows sequences, up to bf16_panel_max_rows; the bias widened to fp32.
-        self.bf16_panels: dict[str, torch.Tensor] = {}
+        self.bf16_panels: dict[str, Bf16Panel] = {}
         self.bf16_panel_max_rows = 0
         self.qkv_bias_fp32: torch.Tensor | None = None
 
@@ -304,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_panel: PanelWeight | None = None
         self.panel_max_rows = 0
         self.lm_head_packed: torch.Tensor | None = None
-        self.lm_head_bf16_panel: torch.Tensor | None = None
+        self.lm_head_bf16_panel: Bf16Panel | None = None
         self.bf16_panel_max_rows = 0
         self.quantized_max_rows = 0
         self._fused: Any | None = None  # kernels.FusedDecoder, built at the first step that can use it

@@ -47,9 +47,11 @@ def test_the_panel_holds_exactly_the_dense_weights() -> None:
 
 
 @needs_bf16_panel
-@pytest.mark.parametrize("rows", [1, 9, 12, 13, 32, 37, 64, 100])
-def test_the_product_equals_the_dense_one_up_to_summation_order(rows: int) -> None:
-    w, bias = _weight(96, 576, seed=rows), torch.randn(96, generator=torch.Generator().manual_seed(7))
+@pytest.mark.parametrize(("rows", "features"), [(1, 96), (7, 96), (8, 96), (9, 100), (32, 96), (37, 40), (64, 144),
+                                                (100, 17)])
+def test_the_product_equals_the_dense_one_up_to_summation_order(rows: int, features: int) -> None:
+    w = _weight(features, 576, seed=rows)
+    bias = torch.randn(features, generator=torch.Generator().manual_seed(7))
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     panel = to_bf16_panel(w)
     out = bf16_panel_linear(x, panel, bias)
@@ -65,25 +67,31 @@ def test_the_product_equals_the_dense_one_up_to_summation_order(rows: int) -> No
 
 
 def test_what_fits_and_bad_layouts_are_refused_not_misread() -> None:
-    assert bf16_panel_fits(_weight(64, 96, 0))
-    assert not bf16_panel_fits(_weight(48, 96, 0))  # rows not a multiple of the 32-column panel
+    assert bf16_panel_fits(_weight(64, 96, 0)) and bf16_panel_fits(_weight(17, 96, 0))
     assert not bf16_panel_fits(_weight(64, 95, 0))  # K odd: the kernel reads pairs
     assert not bf16_panel_fits(_weight(64, 96, 0).float())
+    panel = to_bf16_panel(_weight(64, 96, 0))
+    assert panel.out_features == 64 and tuple(panel.data.shape) == (2, 48, 48, 2)  # 64 rows padded to 96
+    assert not bool(panel.data[1, :, 16:].any())  # the padding is zeros
     kernels = cpu_kernels()
     assert kernels is not None
-    panel = to_bf16_panel(_weight(64, 96, 0))
+    x = torch.zeros(4, 96, dtype=torch.bfloat16)
     if not bf16_panel_available():
         with pytest.raises(RuntimeError, match="AVX-512 BF16 is not available"):
-            kernels.bf16_panel_linear(torch.zeros(1, 96, dtype=torch.bfloat16), panel, None, True)
+            kernels.bf16_panel_linear(x, panel.data, 64, None, True)
         return
     with pytest.raises(RuntimeError, match="columns"):
-        kernels.bf16_panel_linear(torch.zeros(4, 64, dtype=torch.bfloat16), panel, None, True)
+        kernels.bf16_panel_linear(torch.zeros(4, 64, dtype=torch.bfloat16), panel.data, 64, None, True)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        kernels.bf16_panel_linear(torch.zeros(4, 96), panel, None, True)
+        kernels.bf16_panel_linear(x.float(), panel.data, 64, None, True)
     with pytest.raises(RuntimeError, match="panel"):
-        kernels.bf16_panel_linear(torch.zeros(4, 96, dtype=torch.bfloat16), panel.float(), None, True)
+        kernels.bf16_panel_linear(x, panel.data.float(), 64, None, True)
+    with pytest.raises(RuntimeError, match="rounded up"):
+        kernels.bf16_panel_linear(x, panel.data, 97, None, True)  # more columns than the panel holds
+    with pytest.raises(RuntimeError, match="rounded up"):
+        kernels.bf16_panel_linear(x, panel.data, 48, None, True)  # fewer than its last panel starts at
     with pytest.raises(RuntimeError, match="bias"):
-        kernels.bf16_panel_linear(torch.zeros(4, 96, dtype=torch.bfloat16), panel, torch.zeros(63), True)
+        kernels.bf16_panel_linear(x, panel.data, 64, torch.zeros(63), True)
 
 
 @pytest.mark.skipif(not panels_on_here, reason="no AVX-512 BF16, or AMX takes these steps")
