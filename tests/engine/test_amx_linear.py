@@ -15,7 +15,7 @@ from engine_native.model.loader import load_model
 from engine_native.model.quant import Q41Weight, amx_available, amx_linear, dequantize
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_model_support import PagedSequences
+from test_model_support import prompts_then_a_decode
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason="this CPU has no AMX-BF16: the dense GEMM runs instead")
 
@@ -76,11 +76,7 @@ def test_a_decode_step_through_amx_gives_the_dense_steps_logits_and_prompts_stay
     def logits(amx_max_rows: int) -> list[torch.Tensor]:
         assert model.enable_quantized(8, amx_max_rows) == 4 * loaded.config.num_layers + 1
         assert bool(model.layers[0].amx) == (amx_max_rows > 0)
-        seqs = PagedSequences(loaded.config, num_blocks=128, block_size=16, dtype=torch.bfloat16, seed=3)
-        prompts = [list(range(100 + 7 * i, 105 + 7 * i)) for i in range(12)]  # 12 x 5 tokens: one 60-row step
-        prefill = model.forward(seqs.step([(i, p) for i, p in enumerate(prompts)]), seqs.cache)
-        decode = model.forward(seqs.step([(i, [300 + i]) for i in range(len(prompts))]), seqs.cache)  # 12 rows
-        return [prefill, decode]
+        return prompts_then_a_decode(model, loaded.config, torch.bfloat16)
 
     dense = logits(0)
     amx = logits(64)

@@ -25,7 +25,7 @@ from engine_native.model.quant import amx_available
 from engine_native.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_model_support import PagedSequences
+from test_model_support import prompts_then_a_decode
 
 needs_bf16_panel = pytest.mark.skipif(
     not bf16_panel_available(), reason="this CPU has no AVX-512 BF16: oneDNN takes every step"
@@ -106,11 +106,7 @@ def test_a_decode_step_through_the_panels_gives_onednns_logits_and_prompts_stay_
         model.bf16_panel_max_rows = panel_rows
         for layer in model.layers:
             layer.bf16_panel_max_rows = panel_rows
-        seqs = PagedSequences(loaded.config, num_blocks=128, block_size=16, dtype=torch.bfloat16, seed=3)
-        prompts = [list(range(100 + 7 * i, 105 + 7 * i)) for i in range(12)]  # 12 x 5 tokens: one 60-row step
-        prefill = model.forward(seqs.step([(i, p) for i, p in enumerate(prompts)]), seqs.cache)
-        decode = model.forward(seqs.step([(i, [300 + i]) for i in range(len(prompts))]), seqs.cache)  # 12 rows
-        return [prefill, decode]
+        return prompts_then_a_decode(model, loaded.config, torch.bfloat16)
 
     onednn = logits(0)
     panel = logits(64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -69,3 +70,13 @@ class PagedSequences:
             logits_indices=torch.tensor(logits_idx, dtype=torch.long),
             block_size=self.block_size,
         )
+
+
+def prompts_then_a_decode(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The logits of 12 five-token prompts computed in one 60-row step, then of one decode each in a 12-row
+    pure-decode step: the kernel tests compare which kernel a step of each kind takes."""
+    seqs = PagedSequences(cfg, num_blocks=128, block_size=16, dtype=dtype, seed=3)
+    prompts = [list(range(100 + 7 * i, 105 + 7 * i)) for i in range(12)]
+    prefill = model.forward(seqs.step([(i, p) for i, p in enumerate(prompts)]), seqs.cache)
+    decode = model.forward(seqs.step([(i, [300 + i]) for i in range(len(prompts))]), seqs.cache)
+    return [prefill, decode]
