@@ -1,4 +1,4 @@
-// x @ W^T with the dense bf16 weights laid out once in 32-column panels, through AVX-512 BF16 dot products
+// x @ W^T with the dense bf16 weights laid out once in 48-column panels, through AVX-512 BF16 dot products
 // (vdpbf16ps), for pure-decode steps of 9 to a few hundred sequences on CPUs with AVX-512 BF16 and no AMX.
 //
 // oneDNN's bf16 GEMM runs such steps at ~60-70% of what the same instructions reach on big prompts: a
