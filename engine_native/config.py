@@ -167,7 +167,8 @@ class EngineConfig:
     # weights laid out once in panels for AVX-512 BF16 dot products (kernels/bf16_panel.cpp) where the CPU has
     # AVX-512 BF16 and no AMX: the same weights and inputs as oneDNN, only the order of the additions
     # differs; 32-sequence decode GEMMs ~1.3x faster than oneDNN's there. Costs a second copy of the dense
-    # weights (needs pack_weights). Prompts stay on oneDNN. 0 turns it off.
+    # weights (needs pack_weights; skipped where it would take over a quarter of the available memory).
+    # Prompts stay on oneDNN. 0 turns it off.
     bf16_panel_max_rows: int = 256
     # Keep the dense bf16 weights in oneDNN's blocked layout (model/llama.py pack_dense) where the CPU
     # computes bf16 natively: the same results, without re-laying a weight out at every GEMM.

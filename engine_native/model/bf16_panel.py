@@ -16,6 +16,10 @@ import torch.nn.functional as F
 from engine_native.kernels import cpu_kernels
 
 PANEL_COLUMNS = 48  # output columns (weight rows) per panel: kernels/bf16_panel.cpp kPanelCols
+# The panels are a second copy of the dense weights: never more than this share of the memory available when
+# they would be made, so that a model that fits once still gets its KV pool (sizing.py takes up to 25% of what
+# is left) and a big model keeps oneDNN alone instead of running out of memory.
+MAX_MEMORY_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,13 @@ def bf16_panel_available() -> bool:
 def bf16_panel_fits(weight: torch.Tensor) -> bool:
     """A bf16 [N, K] weight with K even (the kernel reads pairs)."""
     return weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[0] > 0 and weight.shape[1] % 2 == 0
+
+
+def panels_fit_in_memory(weights: list[torch.Tensor], available_bytes: int) -> bool:
+    """Whether panels of these weights (padded to whole panels) take at most MAX_MEMORY_FRACTION of
+    `available_bytes`."""
+    padded = sum(-(-w.shape[0] // PANEL_COLUMNS) * PANEL_COLUMNS * w.shape[1] * w.element_size() for w in weights)
+    return padded <= available_bytes * MAX_MEMORY_FRACTION
 
 
 def to_bf16_panel(weight: torch.Tensor) -> Bf16Panel:

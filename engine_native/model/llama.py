@@ -19,6 +19,7 @@ whether a sequence is alone or in a batch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,11 +33,13 @@ from engine_native.kernels import cpu_kernels
 from engine_native.model.attention import AttentionPlan, paged_attention, prefill_kernel_fits, write_kv
 from engine_native.model.attention_backends import AttentionBackend, StepAttention
 from engine_native.model.base import ModelLoadError
+from engine_native.model.bf16_panel import MAX_MEMORY_FRACTION as BF16_PANEL_MEMORY_FRACTION
 from engine_native.model.bf16_panel import (
     Bf16Panel,
     bf16_panel_available,
     bf16_panel_fits,
     bf16_panel_linear,
+    panels_fit_in_memory,
     to_bf16_panel,
 )
 from engine_native.model.quant import (
@@ -56,6 +59,9 @@ from engine_native.model.quant import (
 )
 from engine_native.model.rope import RotaryTable, apply_rotary
 from engine_native.precision import native_bf16
+from engine_native.sizing import available_memory_bytes
+
+log = logging.getLogger(__name__)
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -353,6 +359,11 @@ class LlamaForCausalLM(nn.Module):
         if not can_pack(self.dtype) or self.lm_head_packed is not None:
             return 0
         if not (bf16_panel_max_rows > self.quantized_max_rows and bf16_panel_available() and not amx_available()):
+            bf16_panel_max_rows = 0
+        dense = [getattr(layer, name).data for layer in self.layers for name in _DENSE] + [self.lm_head.data]
+        if bf16_panel_max_rows and not panels_fit_in_memory(dense, available_memory_bytes()):
+            log.warning("the bf16 panels would take more than %.0f%% of the available memory: decode steps stay "
+                        "on oneDNN", 100 * BF16_PANEL_MEMORY_FRACTION)
             bf16_panel_max_rows = 0
         self.bf16_panel_max_rows = bf16_panel_max_rows
         if bf16_panel_max_rows and bf16_panel_fits(self.lm_head.data):

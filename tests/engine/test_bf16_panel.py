@@ -14,9 +14,11 @@ from engine_native.config import CacheConfig, EngineConfig
 from engine_native.engine import LLMEngine
 from engine_native.kernels import cpu_kernels
 from engine_native.model.bf16_panel import (
+    MAX_MEMORY_FRACTION,
     bf16_panel_available,
     bf16_panel_fits,
     bf16_panel_linear,
+    panels_fit_in_memory,
     to_bf16_panel,
 )
 from engine_native.model.bundled import bundled_model_path
@@ -140,6 +142,22 @@ def test_the_models_own_products_are_onednns_but_for_rare_last_bit_flips() -> No
         # A flip is one step of bf16 at that value: the two fp32 sums fell either side of a rounding midpoint.
         step = 2.0 ** (torch.frexp(onednn.float()[flipped])[1] - 8).double()
         assert bool(((onednn.double() - panel.double())[flipped].abs() <= step).all()), name
+
+
+def test_the_panels_are_a_second_copy_only_where_memory_allows_it() -> None:
+    """A big model keeps oneDNN alone rather than run out of memory: the panels (padded to whole panels)
+    must fit in MAX_MEMORY_FRACTION of what is available."""
+    weights = [_weight(64, 96, 0), _weight(100, 96, 1)]  # padded to 96 and 144 rows: 240 x 96 x 2 bytes
+    needed = 240 * 96 * 2
+    assert panels_fit_in_memory(weights, int(needed / MAX_MEMORY_FRACTION))
+    assert not panels_fit_in_memory(weights, int(needed / MAX_MEMORY_FRACTION) - 1)
+    # The bundled model's panels (~270 MB) against this host's memory.
+    loaded = load_model(bundled_model_path(), dtype=torch.bfloat16, progress=False)
+    model = loaded.model
+    dense = [getattr(layer, n).data for layer in model.layers
+             for n in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")] + [model.lm_head.data]
+    assert panels_fit_in_memory(dense, 2 * 1024**3)
+    assert not panels_fit_in_memory(dense, 512 * 1024**2)
 
 
 def test_the_panels_are_off_where_the_dense_weights_are_not_bf16_or_amx_takes_the_steps() -> None:
