@@ -50,6 +50,7 @@ def panels_fit_in_memory(weights: list[torch.Tensor], available_bytes: int) -> b
 
 
 def to_bf16_panel(weight: torch.Tensor) -> Bf16Panel:
+    """Lay a bf16 [N, K] weight (`bf16_panel_fits`) out as its panels, once at load."""
     n, k = weight.shape
     padded = F.pad(weight, (0, 0, 0, -n % PANEL_COLUMNS))
     data = padded.view(-1, PANEL_COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()

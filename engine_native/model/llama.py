@@ -181,7 +181,7 @@ class DecoderLayer(nn.Module):
                 self.bf16_panels[name] = to_bf16_panel(weight.data)
             self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(weight.data, batch_hint)
             setattr(self, name, _frozen(torch.empty(0, dtype=weight.dtype)))
-        if self.qkv_bias is not None:
+        if self.bf16_panels and self.qkv_bias is not None:
             self.qkv_bias_fp32 = self.qkv_bias.data.float()  # oneDNN too adds the bias to the fp32 sums
         return len(_DENSE)
 
