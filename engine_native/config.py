@@ -170,8 +170,9 @@ class EngineConfig:
     # weights (needs pack_weights; skipped where it would take over a quarter of the available memory).
     # Prompts stay on oneDNN. 0 turns it off.
     bf16_panel_max_rows: int = 256
-    # Keep the dense bf16 weights in oneDNN's blocked layout (model/llama.py pack_dense) where the CPU
-    # computes bf16 natively: the same results, without re-laying a weight out at every GEMM.
+    # Keep the dense weights in oneDNN's blocked layout (model/llama.py pack_dense): bf16 ones where the CPU
+    # computes bf16 natively (the same results, without re-laying a weight out at every GEMM), fp32 ones
+    # anywhere (oneDNN's GEMM in place of MKL's: the same products, summed in another order).
     pack_weights: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -72,11 +72,12 @@ _DENSE = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can hold this model's dense weights pre-packed here: bf16 weights on a CPU
-    that computes bf16 natively (elsewhere PyTorch emulates the bf16 GEMM and packing gains nothing)."""
+    """Whether oneDNN can hold this model's dense weights pre-packed here: fp32 weights, or bf16 ones on a
+    CPU that computes bf16 natively (elsewhere PyTorch emulates the bf16 GEMM and packing gains nothing).
+    fp32 F.linear goes to MKL's sgemm, which on the AVX2 EPYC measured 1.1-1.35x slower than oneDNN's packed
+    GEMM on prompt-sized steps (docs/engine.md, "oneDNN for the fp32 prompts")."""
     return (
-        dtype == torch.bfloat16
-        and native_bf16()
+        (dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16()))
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
@@ -171,7 +172,8 @@ class DecoderLayer(nn.Module):
     def pack_dense(self, batch_hint: int, bf16_panel_max_rows: int = 0) -> int:
         """Keep the four dense matrices in oneDNN's blocked layout and drop the plain copies; returns
         how many. F.linear on a bf16 CPU re-lays the weight out on every call, which at 32 tokens a
-        step costs a third of the GEMM (the same products and sums: results are bit-identical).
+        step costs a third of the GEMM (the same products and sums: results are bit-identical); fp32
+        F.linear is MKL's sgemm, slower than oneDNN's on prompt-sized steps (other sums, in fp32 too).
         With `bf16_panel_max_rows` (the caller checked the kernel) each matrix that fits is also laid out
         for the bf16 panel kernel, for pure-decode steps of up to that many sequences."""
         self.bf16_panel_max_rows = bf16_panel_max_rows
