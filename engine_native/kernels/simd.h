@@ -71,25 +71,6 @@ inline __m512 exp16_ps(__m512 x) {
 }
 #endif
 
-// Dot product of two fp32 vectors of length d (a multiple of 8).
-inline float dot(const float* a, const float* b, int64_t d) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  return hsum(_mm256_add_ps(acc0, acc1));
-}
-
-// out += p * v over length d (a multiple of 8).
-inline void axpy(float p, const float* v, float* out, int64_t d) {
-  const __m256 vp = _mm256_set1_ps(p);
-  for (int64_t i = 0; i < d; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
-}
-
 // Weight formats the quantized matmuls read (see quant_linear.cpp for the layouts).
 enum class QuantFormat : int64_t { Q4_1 = 0, Q8_0 = 1 };
 // Weights per block of either format (GGUF's QK4_1 = QK8_0 = 32): one scale (and, Q4_1, one minimum) each.
