@@ -52,9 +52,9 @@ class CausalLM(Protocol):
 
     def pack_dense(self, batch_hint: int = 32, bf16_panel_max_rows: int = 0) -> int:
         """Lay the dense weights out for the host's GEMM library once, where that is faster (bf16: the same
-        results; fp32: oneDNN's sums in place of MKL's, in another order), and for the bf16 panel kernel (pure-decode steps of up to
-        `bf16_panel_max_rows` sequences) where the CPU has it; returns how many matrices were packed (0
-        where it does not apply)."""
+        results; fp32: oneDNN's sums in place of MKL's, in another order), and for the bf16 panel kernel
+        (pure-decode steps of up to `bf16_panel_max_rows` sequences) where the CPU has it; returns how many
+        matrices were packed (0 where it does not apply)."""
         ...
 
     def place_on(self, device: torch.device) -> None:
