@@ -75,6 +75,20 @@ inline void prefetch_row(const KV* row, int64_t from, int64_t to) {
 // How far ahead of the score walk a sequence's own K and V rows are asked for, in tokens.
 constexpr int64_t kRowsAhead = 32;
 
+// k[t], v[t] <- token t's K and V rows (every KV head's elements) of a sequence of `len` tokens whose block
+// table is `table`, in token order.
+template <typename KV>
+void token_rows(const KV* k_cache, const KV* v_cache, const int64_t* table, int64_t len, int64_t block_size,
+                int64_t token_stride, std::vector<const KV*>& k, std::vector<const KV*>& v) {
+  k.resize(static_cast<size_t>(len));
+  v.resize(static_cast<size_t>(len));
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t at = (table[t / block_size] * block_size + t % block_size) * token_stride;
+    k[t] = k_cache + at;
+    v[t] = v_cache + at;
+  }
+}
+
 // The AVX2 path, for an fp32 cache where the AVX-512 one does not run (8 lanes, 16 registers). Scores: one
 // query head against eight keys at a time (eight accumulators over d, reduced together by an hadd tree);
 // values: up to three query heads x 16 columns of the output held in registers over the whole context. The
@@ -114,7 +128,7 @@ inline void score_head(const float* q, const float* const* k, int64_t d, float s
   }
 }
 
-// out[j * d + col ..][0, 8 CN) = sum_t p[j * len + t] * values[t][col ..] for JN query heads, in token order.
+// out[j * d ..][0, 8 CN) = sum_t p[j * len + t] * values[t][col ..] for JN query heads, in token order.
 template <int JN, int CN>
 void weighted_values(const float* p, int64_t len, const float* const* values, int64_t col, int64_t d, float* out) {
   __m256 acc[JN * CN];
@@ -132,7 +146,7 @@ void weighted_values(const float* p, int64_t len, const float* const* values, in
     }
   }
   for (int j = 0; j < JN; ++j)
-    for (int c = 0; c < CN; ++c) _mm256_storeu_ps(out + j * d + col + c * 8, acc[j * CN + c]);
+    for (int c = 0; c < CN; ++c) _mm256_storeu_ps(out + j * d + c * 8, acc[j * CN + c]);
 }
 
 template <int JN>
@@ -146,21 +160,21 @@ void weighted_values_cols(const float* p, int64_t len, const float* const* value
 }
 
 // One (sequence, KV head) item: the g query heads' scores against `len` keys, their softmax, the values.
-// rows[t]: token t's K row of this head, vrows[t] its V row.
-void attend(const float* q, int64_t g, int64_t d, const float* const* rows, const float* const* vrows, int64_t len,
-            float scale, float* scores, float* out) {
+// rows[t] / vrows[t]: token t's K / V row (token_rows); this head's d elements start at `head`.
+void attend(const float* q, int64_t g, int64_t d, const float* const* rows, const float* const* vrows, int64_t head,
+            int64_t len, float scale, float* scores, float* out) {
   for (int64_t i = 0; i < std::min(kRowsAhead, len); ++i) {
-    prefetch_row(rows[i], 0, d);
-    prefetch_row(vrows[i], 0, d);
+    prefetch_row(rows[i], head, head + d);
+    prefetch_row(vrows[i], head, head + d);
   }
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - t0);
     for (int64_t i = t0 + kRowsAhead; i < std::min(t0 + kRowsAhead + 8, len); ++i) {
-      prefetch_row(rows[i], 0, d);
-      prefetch_row(vrows[i], 0, d);
+      prefetch_row(rows[i], head, head + d);
+      prefetch_row(vrows[i], head, head + d);
     }
     const float* k[8];
-    for (int64_t i = 0; i < 8; ++i) k[i] = rows[t0 + std::min(i, n - 1)];
+    for (int64_t i = 0; i < 8; ++i) k[i] = rows[t0 + std::min(i, n - 1)] + head;
     for (int64_t j = 0; j < g; ++j) score_head(q + j * d, k, d, scale, n, scores + j * len + t0);
   }
   for (int64_t j = 0; j < g; ++j) softmax(scores + j * len, len);
@@ -169,11 +183,11 @@ void attend(const float* q, int64_t g, int64_t d, const float* const* rows, cons
     for (int64_t col = 0; col < d; col += 16) {
       const int64_t cn = std::min<int64_t>(2, (d - col) / 8);
       const float* pj = scores + j0 * len;
-      float* oj = out + j0 * d;
+      float* oj = out + j0 * d + col;
       switch (jn) {
-        case 1: weighted_values_cols<1>(pj, len, vrows, col, cn, d, oj); break;
-        case 2: weighted_values_cols<2>(pj, len, vrows, col, cn, d, oj); break;
-        default: weighted_values_cols<3>(pj, len, vrows, col, cn, d, oj); break;
+        case 1: weighted_values_cols<1>(pj, len, vrows, head + col, cn, d, oj); break;
+        case 2: weighted_values_cols<2>(pj, len, vrows, head + col, cn, d, oj); break;
+        default: weighted_values_cols<3>(pj, len, vrows, head + col, cn, d, oj); break;
       }
     }
   }
@@ -213,16 +227,11 @@ void softmax16(float* s, int64_t len) {
 
 // Eight dot products' 16-lane partial sums -> their eight totals, in order.
 inline __m256 reduce8(const __m512* acc) {
-  __m256 h[8];
+  __m256 h[8];  // each folded to 8 lanes, then the AVX2 path's tree
   for (int i = 0; i < 8; ++i)
     h[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
-  const __m256 a = _mm256_hadd_ps(h[0], h[1]), b = _mm256_hadd_ps(h[2], h[3]);
-  const __m256 c = _mm256_hadd_ps(h[4], h[5]), e = _mm256_hadd_ps(h[6], h[7]);
-  const __m256 ab = _mm256_hadd_ps(a, b), ce = _mm256_hadd_ps(c, e);
-  // ab = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low and high 128-bit halves of the same four dots).
-  const __m256 lo = _mm256_permute2f128_ps(ab, ce, 0x20), hi = _mm256_permute2f128_ps(ab, ce, 0x31);
-  return _mm256_add_ps(lo, hi);
+  return avx2_path::reduce8(h);
 }
 
 // 16 cache elements as fp32: an fp32 cache is read as is, a bf16 one (uint16 bits) widened exactly.
@@ -400,7 +409,7 @@ template <typename KV>
 void paged_decode_avx512(const float* q, int64_t b, int64_t h, int64_t d, const KV* k_cache, const KV* v_cache,
                          int64_t block_size, int64_t hkv, const int64_t* tables, int64_t max_blocks,
                          const int64_t* lens, float scale, float* out) {
-  const int64_t g = h / hkv, token_stride = hkv * d, block_stride = block_size * hkv * d;
+  const int64_t g = h / hkv, token_stride = hkv * d;
   // Items are (sequence, KV head) pairs handed out by cost (item_cost). A thread walks the heads of a
   // sequence it holds together, reading each row once, in order.
   parallel_for_by_cost(
@@ -408,17 +417,8 @@ void paged_decode_avx512(const float* q, int64_t b, int64_t h, int64_t d, const 
       [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
         std::vector<const KV*> krows, vrows, next_k, next_v, shifted;
-        // Each token's K and V rows of sequence `seq`, in token order.
         const auto rows_of = [&](int64_t seq, std::vector<const KV*>& k, std::vector<const KV*>& v) {
-          const int64_t len = lens[seq];
-          const int64_t* table = tables + seq * max_blocks;
-          k.resize(static_cast<size_t>(len));
-          v.resize(static_cast<size_t>(len));
-          for (int64_t t = 0; t < len; ++t) {
-            const int64_t at = table[t / block_size] * block_stride + (t % block_size) * token_stride;
-            k[t] = k_cache + at;
-            v[t] = v_cache + at;
-          }
+          token_rows(k_cache, v_cache, tables + seq * max_blocks, lens[seq], block_size, token_stride, k, v);
         };
         rows_of(begin / hkv, next_k, next_v);
         for (int64_t item = begin; item < end;) {
@@ -444,7 +444,7 @@ void paged_decode_avx512(const float* q, int64_t b, int64_t h, int64_t d, const 
 void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* k_cache, const float* v_cache,
                   int64_t num_blocks, int64_t block_size, int64_t hkv, const int64_t* tables, int64_t max_blocks,
                   const int64_t* lens, float scale, float* out) {
-  const int64_t g = h / hkv, token_stride = hkv * d, block_stride = block_size * hkv * d;
+  const int64_t g = h / hkv, token_stride = hkv * d;
 #ifdef __AVX512F__
   if (d % 16 == 0) {
     paged_decode_avx512(q, b, h, d, k_cache, v_cache, block_size, hkv, tables, max_blocks, lens, scale, out);
@@ -457,17 +457,11 @@ void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* 
     std::vector<const float*> krows, vrows;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t seq = job / hkv, kvh = job % hkv, len = lens[seq];
-      const int64_t* table = tables + seq * max_blocks;
-      krows.resize(static_cast<size_t>(len));
-      vrows.resize(static_cast<size_t>(len));
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t at = table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * d;
-        krows[t] = k_cache + at;
-        vrows[t] = v_cache + at;
-      }
+      if (job == begin || kvh == 0)  // a sequence's rows once for all the KV heads this thread takes
+        token_rows(k_cache, v_cache, tables + seq * max_blocks, len, block_size, token_stride, krows, vrows);
       scores.resize(static_cast<size_t>(g * len));
-      avx2_path::attend(q + (seq * h + kvh * g) * d, g, d, krows.data(), vrows.data(), len, scale, scores.data(),
-                        out + (seq * h + kvh * g) * d);
+      avx2_path::attend(q + (seq * h + kvh * g) * d, g, d, krows.data(), vrows.data(), kvh * d, len, scale,
+                        scores.data(), out + (seq * h + kvh * g) * d);
     }
   });
 }
