@@ -1,7 +1,8 @@
 """Admission control: refuse early (503 + Retry-After) what the engine cannot serve in time.
 
-Before a request is dispatched, the gateway predicts its time to first token and compares it with
-the TTFT target of its priority tier. A request's first token waits on one of two things:
+Before a request is dispatched, the gateway predicts its time to first token and, where the request
+would wait for a running slot, refuses it when the work ahead of it misses the TTFT target of its
+priority tier (below). A request's first token waits on one of two things:
 
   * prompts ahead of it (prefill-bound, the usual case below the running cap): its own prompt and
     every prompt token not yet served of requests at priority <= p, at the rate prompt tokens were
@@ -39,6 +40,17 @@ system prompt looked 10x longer than they then were (a load the server served wa
 64 before one admitted request could correct it). Both the ratio (`sluice_ttft_prediction_ratio`) and every
 refusal with its reason (`sluice_shed_requests_total`) are exported, so what the estimate says
 can be checked against what happened.
+
+What the estimate refuses, and what it does not. Shedding is for loads the server cannot serve, and
+a load it cannot serve shows as requests waiting for a running slot: below the running cap every
+request joins the batch at once, and what is ahead of its first token is bounded by the cap (a steady
+closed-loop load of 32 streams at a cap of 64 is served, however long its prompts; refusing such
+requests made a servable load fail, issue 10). So the TTFT target refuses a request only when it would
+queue for a slot (the engine at its running cap or out of KV blocks by its figures, or this gateway's
+own requests in flight, or the engine's running and waiting ones, already at the cap), and only on the
+wait for the work *ahead* of it: its own prompt's time is no wait, and a retry could never cut it (a
+lone long prompt on an idle server was refused before). The estimate itself still includes the own
+prompt: it is what the first token takes, and what calibration is checked against.
 
 The queue is strict priority, so only work of priority <= p is ahead of a request of priority p.
 On top of the estimate, every tier may fill only its share of the waiting queue's bounds
@@ -92,10 +104,13 @@ class Estimate:
     waiting: int  # requests queued (all tiers), including those sent since the engine's figures
     waiting_tokens: int
     predicted_s: float | None = None  # the same before calibration, what the calibration learns from
+    # The part of predicted_s spent on work ahead of the request (its own prompt's time left out).
+    predicted_ahead_s: float | None = None
+    queues_for_slot: bool = False  # it would wait for a running slot: the TTFT target may refuse it
 
 
 class ShedReason(enum.StrEnum):
-    TTFT_TARGET = "ttft_target"  # predicted time to first token beyond the tier's target
+    TTFT_TARGET = "ttft_target"  # queued for a slot behind more work than the tier's TTFT target
     QUEUE_SHARE = "queue_share"  # the tier's share of the waiting queue (requests) is full
     QUEUE_TOKENS = "queue_tokens"  # the tier's share of the waiting queue (tokens) is full
 
@@ -161,29 +176,33 @@ class LoadShedder:
         waiting_tokens = max(
             health.waiting_tokens, round(share * sum(q[2] for q in self._unstarted.values()))
         )
-        predicted = _max_known(
-            self._prefill_bound(health, priority, prompt_tokens),
-            self._slot_bound(health, priority, share),
-        )
+        rate = health.prefill_tokens_per_s
+        prompts_ahead = self._prompts_ahead(health, priority)
+        slots = self._slot_bound(health, priority, share)
+        predicted = _max_known(_at_rate(prompts_ahead + prompt_tokens, rate), slots)
+        predicted_ahead = _max_known(_at_rate(prompts_ahead, rate), slots)
         wait = None if predicted is None else predicted * self.calibration
-        return Estimate(wait, waiting, waiting_tokens, predicted)
+        return Estimate(wait, waiting, waiting_tokens, predicted, predicted_ahead,
+                        self._queues_for_slot(health, cap))
 
-    def _prefill_bound(self, health: DriverHealth, priority: int, prompt_tokens: int) -> float | None:
+    def _queues_for_slot(self, health: DriverHealth, cap: int) -> bool:
+        if not health.max_num_seqs:
+            return True  # a driver that names no cap: assume the worst, as before this rule
+        return _kv_full(health) or max(self.in_flight, health.running + health.waiting) >= cap
+
+    def _prompts_ahead(self, health: DriverHealth, priority: int) -> int:
+        """Prompt tokens to be served before a newcomer's of `priority`."""
         # Every request of ours without a first token still has (some of) its prompt to compute.
         local = sum(q[2] for p, q in self._unstarted.items() if p <= priority)
         engine = health.prefill_running + sum(
             w for p, w in health.prefill_waiting_by_priority.items() if p <= priority
         )
-        ahead = max(local, engine) + prompt_tokens
-        if ahead == 0:
-            return 0.0
-        return ahead / health.prefill_tokens_per_s if health.prefill_tokens_per_s > 0 else None
+        return max(local, engine)
 
     def _slot_bound(self, health: DriverHealth, priority: int, share: float) -> float | None:
         # Throughput measures capacity only while the engine is saturated; a lightly loaded engine's says
         # how much was asked of it, and would make every wait look long.
-        kv_full = health.kv_blocks_total > 0 and health.kv_blocks_used >= 0.95 * health.kv_blocks_total
-        saturated = 0 < health.max_num_seqs <= health.running or kv_full
+        saturated = 0 < health.max_num_seqs <= health.running or _kv_full(health)
         if not saturated:
             return None  # below the cap queued requests wait on prefill (above), not on slots
         local_work = share * sum(q[1] for p, q in self._unstarted.items() if p <= priority)
@@ -241,16 +260,17 @@ class LoadShedder:
 
     def _check(self, health: DriverHealth, est: Estimate, priority: int, prompt_tokens: int) -> None:
         target = self.policy.target(priority)
-        wait = est.wait_s
-        if wait is not None and est.predicted_s is not None and self.checked < self.policy.trust_after:
-            wait = est.predicted_s * CALIBRATION_BOUNDS[0]  # unproven: its most optimistic reading
-        if wait is not None and wait > target:
+        ahead = est.predicted_ahead_s
+        if ahead is not None:
+            # Unproven: its most optimistic reading.
+            ahead *= self.calibration if self.checked >= self.policy.trust_after else CALIBRATION_BOUNDS[0]
+        if est.queues_for_slot and ahead is not None and ahead > target:
             self._refuse(
                 priority,
                 ShedReason.TTFT_TARGET,
-                f"Predicted time to first token {wait:.1f} s exceeds the {target:g} s target of "
-                f"priority {priority}",
-                wait - target,
+                f"No running slot is free and the work ahead would delay the first token {ahead:.1f} s, "
+                f"beyond the {target:g} s target of priority {priority}",
+                ahead - target,
             )
         share = self.policy.share(priority)
         retry = est.wait_s if est.wait_s else 1.0
@@ -290,6 +310,16 @@ class ShedError(OverloadedError):
     def __init__(self, message: str, retry_after: float, reason: ShedReason) -> None:
         super().__init__(message, retry_after=retry_after)
         self.reason = reason
+
+
+def _kv_full(health: DriverHealth) -> bool:
+    return health.kv_blocks_total > 0 and health.kv_blocks_used >= 0.95 * health.kv_blocks_total
+
+
+def _at_rate(tokens: int, tokens_per_s: float) -> float | None:
+    if tokens == 0:
+        return 0.0
+    return tokens / tokens_per_s if tokens_per_s > 0 else None
 
 
 def _max_known(*values: float | None) -> float | None:

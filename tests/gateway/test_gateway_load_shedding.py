@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import pytest
+from msgspec.structs import replace
 
 from drivers.base import DriverHealth, OverloadedError
 from drivers.synthetic import SyntheticDriver
@@ -135,19 +136,55 @@ def test_throughput_of_an_unsaturated_engine_is_not_used() -> None:
     assert not shedder.estimate(h, 2).wait_s  # no positive wait from the throughput of an idle engine
 
 
-def test_below_the_running_cap_a_first_token_waits_only_on_prompts_ahead() -> None:
+def test_below_the_running_cap_a_first_token_waits_only_on_prompts_ahead_and_nothing_is_refused() -> None:
     """Queued requests' decodes run batched beside a newcomer's prefill: only prompt tokens are ahead
-    of it (the work of max_tokens is not), at the rate prompts were computed while queued."""
+    of it (the work of max_tokens is not), at the rate prompts were computed while queued. Below the
+    running cap the request joins the batch at once and the cap bounds what is ahead: a load the server
+    serves, however slowly (a steady 32-stream closed loop at a cap of 64 was refused before), so the
+    TTFT target refuses nothing there."""
     shedder = LoadShedder(SheddingPolicy(trust_after=0, ttft_targets_s=(2.0, 10.0, 30.0)))
     h = health(
         running=32, max_num_seqs=64, waiting=6,
-        prefill_waiting_by_priority={0: 100, 1: 3_000}, prefill_running=200, prefill_tokens_per_s=1_000.0,
-        waiting_work_by_priority={0: 100 + 200, 1: 3_000 + 6 * 200},
+        prefill_waiting_by_priority={0: 100, 1: 13_000}, prefill_running=200, prefill_tokens_per_s=1_000.0,
+        waiting_work_by_priority={0: 100 + 200, 1: 13_000 + 6 * 200},
     )
-    assert shedder.estimate(h, 1, prompt_tokens=500).wait_s == pytest.approx((200 + 100 + 3_000 + 500) / 1_000)
+    assert shedder.estimate(h, 1, prompt_tokens=500).wait_s == pytest.approx((200 + 100 + 13_000 + 500) / 1_000)
     assert shedder.estimate(h, 0, prompt_tokens=500).wait_s == pytest.approx((200 + 100 + 500) / 1_000)
-    assert outcome(shedder, h, 1, prompt=500, max_tokens=4_000) == "admitted"  # 3.8 s < 10 s, however long
-    assert outcome(shedder, h, 0, prompt=2_000) == "shed"  # its own 2,000 tokens take 2.3 s > 2 s
+    assert not shedder.estimate(h, 1).queues_for_slot
+    assert outcome(shedder, h, 1, prompt=500, max_tokens=4_000) == "admitted"  # 13.8 s > 10 s, below the cap
+    assert outcome(shedder, h, 0, prompt=1_500) == "admitted"
+    # The engine's running and waiting requests reach the cap: the next one would queue for a slot.
+    at_cap = replace(h, waiting=32)
+    assert shedder.estimate(at_cap, 1).queues_for_slot
+    assert outcome(shedder, at_cap, 1) == "shed"  # 13.3 s of prompts ahead > 10 s
+    assert outcome(shedder, at_cap, 0) == "admitted"  # 1.5 s of tier-0 prompts ahead (the one sent above)
+    assert shedder.shed_total == {1: 1}
+
+
+def test_the_gateways_own_requests_in_flight_count_against_the_running_cap() -> None:
+    """Engine figures a moment old show free slots; what this gateway sent since fills them."""
+    shedder = LoadShedder(SheddingPolicy(trust_after=0, ttft_targets_s=(2.0, 10.0, 30.0)))
+    h = health(running=0, max_num_seqs=4, waiting=0, prefill_tokens_per_s=100.0)
+    for _ in range(4):
+        assert outcome(shedder, h, 1, prompt=500) == "admitted"  # 5-20 s of prompts, below the cap
+    assert shedder.estimate(h, 1).queues_for_slot
+    assert outcome(shedder, h, 1, prompt=10) == "shed"  # 20 s of our own unstarted prompts ahead
+
+
+def test_a_request_is_never_refused_for_its_own_prompt() -> None:
+    """Its own prompt's time is no wait, and no retry could cut it: only work ahead counts against the
+    target (a lone 3,000-token prompt on an idle server with a 2 s target was refused before)."""
+    shedder = LoadShedder(SheddingPolicy(trust_after=0, ttft_targets_s=(2.0,)))
+    idle = health(running=0, max_num_seqs=8, prefill_tokens_per_s=1_000.0)
+    assert shedder.estimate(idle, 0, prompt_tokens=3_000).wait_s == pytest.approx(3.0)
+    shedder.finished(shedder.admit(idle, 0, 3_000, 10))
+    full = health(running=8, max_num_seqs=8, prefill_tokens_per_s=1_000.0)  # at the cap, nothing queued
+    shedder.finished(shedder.admit(full, 0, 30_000, 10))
+    behind = replace(full, waiting=3, prefill_waiting_by_priority={0: 2_500}, waiting_work_by_priority={0: 2_600})
+    with pytest.raises(OverloadedError) as info:
+        shedder.admit(behind, 0, 10, 10)
+    assert info.value.retry_after == 1  # 2.6 s ahead vs 2 s: ceil(0.6)
+    assert "work ahead" in str(info.value)
 
 
 def test_calibration_follows_the_real_time_to_first_token_and_is_exported() -> None:
@@ -176,17 +213,21 @@ def test_an_unproven_estimate_refuses_only_what_a_quarter_of_it_misses() -> None
     # it is read at its most optimistic, the calibration's lower bound.
     now = [0.0]
     shedder = LoadShedder(SheddingPolicy(ttft_targets_s=(10.0,), trust_after=4), clock=lambda: now[0])
-    h = health(running=1, max_num_seqs=64, prefill_tokens_per_s=100.0)
-    first = shedder.admit(h, 0, prompt_tokens=2_000, max_tokens=1)  # 20 s predicted, 5 s at a quarter
+    free = health(running=1, max_num_seqs=64, prefill_tokens_per_s=100.0)
+    # At the running cap behind 2,000 and 5,000 prompt tokens: 20 s and 50 s ahead, 5 s and 12.5 s at a quarter.
+    behind = {n: health(running=64, max_num_seqs=64, waiting=1, prefill_tokens_per_s=100.0,
+                        prefill_waiting_by_priority={0: n}) for n in (2_000, 5_000)}
+    first = shedder.admit(free, 0, prompt_tokens=2_000, max_tokens=1)
     shedder.finished(first)  # ended without a first token: checks nothing
-    assert outcome(shedder, h, 0, prompt=5_000) == "shed"  # 50 s: even a quarter misses 10 s
+    shedder.finished(shedder.admit(behind[2_000], 0, 10, 1))  # a quarter of 20 s: admitted
+    assert outcome(shedder, behind[5_000], 0) == "shed"  # even a quarter misses 10 s
     for _ in range(4):  # four first tokens come when predicted
-        pending = shedder.admit(h, 0, prompt_tokens=100, max_tokens=1)
+        pending = shedder.admit(free, 0, prompt_tokens=100, max_tokens=1)
         now[0] += 1.0
         shedder.started(pending)
         shedder.finished(pending)
     assert shedder.checked == 4 and shedder.calibration == pytest.approx(1.0)
-    assert outcome(shedder, h, 0, prompt=2_000) == "shed"  # proven: 20 s at face value
+    assert outcome(shedder, behind[2_000], 0) == "shed"  # proven: 20 s at face value
 
 
 def test_refusals_are_counted_by_priority_and_reason() -> None:
