@@ -250,15 +250,25 @@ class Scheduler:
         return budget
 
     def _prefill_allowance(self, budget: int) -> int:
-        """Prompt tokens this step may compute: all of the budget, unless requests are decoding and
-        `prefill_tokens_beside_decodes` caps what they wait for. The cap yields to the backlog: a
-        1/`prefill_backlog_steps` share of the prompt tokens still to compute (partly prefilled and
-        waiting requests), so that when prompts arrive faster than the cap computes them, prefill
-        keeps up instead of their time to first token growing without bound."""
+        """Prompt tokens this step may compute: all of the budget, unless more requests are decoding
+        than have prompt work, and `prefill_tokens_beside_decodes` caps what the decoders wait for.
+
+        Prompt work computed now stalls every decoder; prompt work put off delays the requests whose
+        prompts it is. So the cap holds only where it spares more streams than it delays: a steady mixed
+        load (~30 decoders, a few prompts arriving) is capped; the second half of a wave of prompts
+        (16 decoders that have just started, 16 prompts left) is not, and the wave ends in one step
+        instead of being spread over several, each stalling more streams. The cap also yields to the
+        backlog: a 1/`prefill_backlog_steps` share of the prompt tokens still to compute (partly
+        prefilled and waiting requests), so that when prompts arrive faster than the cap computes them,
+        prefill keeps up instead of their time to first token growing without bound."""
         cap = self.config.prefill_tokens_beside_decodes
-        if cap is None or not any(_decodes(r) for r in self.running):
+        if cap is None:
             return budget
-        backlog = self.waiting.num_tokens + sum(r.num_tokens_to_compute for r in self.running if not _decodes(r))
+        decoding = sum(map(_decodes, self.running))
+        prompting = [r for r in self.running if not _decodes(r)]
+        if decoding <= len(prompting) + len(self.waiting):
+            return budget
+        backlog = self.waiting.num_tokens + sum(r.num_tokens_to_compute for r in prompting)
         return min(budget, max(cap, backlog // self.config.prefill_backlog_steps))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, below_priority: int | None = None) -> None:

@@ -171,9 +171,9 @@ def test_prompt_work_beside_decodes_is_capped_and_a_step_without_decodes_takes_t
 def test_a_backlog_of_prompts_lifts_the_cap_to_a_share_of_itself() -> None:
     # Prompts arriving faster than the cap computes them: the allowance is a quarter of what is still
     # to compute (never under the cap, never over the budget), so the backlog drains.
-    s = make_scheduler(num_blocks=2048, max_num_batched_tokens=64, long_prefill_token_threshold=64,
-                       prefill_tokens_beside_decodes=8, prefill_backlog_steps=4)
-    first = [make_request(f"a{i}", 20, max_tokens=60) for i in range(2)]
+    s = make_scheduler(num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=64,
+                       long_prefill_token_threshold=64, prefill_tokens_beside_decodes=8, prefill_backlog_steps=4)
+    first = [make_request(f"a{i}", 6, max_tokens=60) for i in range(6)]
     for r in first:
         s.add_request(r)
     run_step(s)
@@ -186,12 +186,38 @@ def test_a_backlog_of_prompts_lifts_the_cap_to_a_share_of_itself() -> None:
         assert all(x.num_new_tokens == 1 for x in sched.scheduled if x.request in first)  # decodes every step
         allowances.append(sum(x.num_new_tokens for x in sched.scheduled
                               if x.num_computed_before < x.request.num_prompt_tokens))
-    assert allowances[0] == 200 // 4  # 5 prompts of 40 waiting: 50 of the 62 tokens left beside 2 decodes
+    assert allowances[0] == 200 // 4  # 5 prompts of 40 waiting: 50 of the 58 tokens left beside 6 decodes
     assert allowances == sorted(allowances, reverse=True)  # a share of a shrinking backlog
     assert allowances[1] < 50 and allowances[-1] <= 8  # down to the cap as the backlog drains
     drain(s)
     for r in first + late:
         assert r.output_token_ids == [token_for(r, k) for k in range(60)]
+
+
+def test_the_cap_holds_only_where_more_streams_decode_than_prompts_wait() -> None:
+    """Prompt work computed now stalls every decoder; put off, it delays every prompt waiting. The second
+    half of a wave (fewer decoders than prompts) takes the budget and ends in one step; once decoders
+    outnumber the prompts, the cap holds."""
+    s = make_scheduler(num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=64,
+                       long_prefill_token_threshold=64, prefill_tokens_beside_decodes=8)
+    first = [make_request(f"a{i}", 8, max_tokens=40) for i in range(3)]
+    for r in first:
+        s.add_request(r)
+    run_step(s)  # three decoders
+    wave = [make_request(f"w{i}", 12, max_tokens=40, arrival=1.0) for i in range(4)]
+    for r in wave:
+        s.add_request(r)
+    sched = run_step(s)  # 3 decoders, 4 prompts: no cap
+    assert sum(x.num_new_tokens for x in sched.scheduled if x.request in wave) == 48
+    assert all(r.num_output_tokens == 1 for r in wave)
+    late = [make_request(f"b{i}", 12, max_tokens=40, arrival=2.0) for i in range(2)]
+    for r in late:
+        s.add_request(r)
+    sched = run_step(s)  # 7 decoders, 2 prompts: capped
+    assert sum(x.num_new_tokens for x in sched.scheduled if x.request in late) == 8
+    drain(s)
+    for r in first + wave + late:
+        assert r.output_token_ids == [token_for(r, k) for k in range(40)]
 
 
 def test_a_wave_reaching_an_engine_with_at_most_one_decode_takes_the_wave_budget() -> None:
