@@ -360,7 +360,9 @@ class LlamaForCausalLM(nn.Module):
         sequences, up to `bf16_panel_max_rows` (0: never); a second copy of the dense weights."""
         if not can_pack(self.dtype) or self.lm_head_packed is not None:
             return 0
-        if not (bf16_panel_max_rows > self.quantized_max_rows and bf16_panel_available() and not amx_available()):
+        # The panels hold bf16 weights: an fp32 model (packed for oneDNN since fp32 packing) makes none.
+        if not (bf16_panel_max_rows > self.quantized_max_rows and self.dtype == torch.bfloat16
+                and bf16_panel_available() and not amx_available()):
             bf16_panel_max_rows = 0
         dense = [getattr(layer, name).data for layer in self.layers for name in _DENSE] + [self.lm_head.data]
         if bf16_panel_max_rows and not panels_fit_in_memory(dense, available_memory_bytes()):
