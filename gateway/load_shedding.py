@@ -182,13 +182,14 @@ class LoadShedder:
         predicted = _max_known(_at_rate(prompts_ahead + prompt_tokens, rate), slots)
         predicted_ahead = _max_known(_at_rate(prompts_ahead, rate), slots)
         wait = None if predicted is None else predicted * self.calibration
-        return Estimate(wait, waiting, waiting_tokens, predicted, predicted_ahead,
-                        self._queues_for_slot(health, cap))
+        return Estimate(wait, waiting, waiting_tokens, predicted, predicted_ahead, self._queues_for_slot(health))
 
-    def _queues_for_slot(self, health: DriverHealth, cap: int) -> bool:
+    def _queues_for_slot(self, health: DriverHealth) -> bool:
+        """Whether a request sent now would wait for a running slot (or KV blocks) rather than join the batch."""
         if not health.max_num_seqs:
             return True  # a driver that names no cap: assume the worst, as before this rule
-        return _kv_full(health) or max(self.in_flight, health.running + health.waiting) >= cap
+        in_engine = max(self.in_flight, health.running + health.waiting)
+        return _kv_full(health) or in_engine >= health.max_num_seqs
 
     def _prompts_ahead(self, health: DriverHealth, priority: int) -> int:
         """Prompt tokens to be served before a newcomer's of `priority`."""
