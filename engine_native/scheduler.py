@@ -264,8 +264,8 @@ class Scheduler:
         cap = self.config.prefill_tokens_beside_decodes
         if cap is None:
             return budget
-        decoding = sum(map(_decodes, self.running))
         prompting = [r for r in self.running if not _decodes(r)]
+        decoding = len(self.running) - len(prompting)
         if decoding <= len(prompting) + len(self.waiting):
             return budget
         backlog = self.waiting.num_tokens + sum(r.num_tokens_to_compute for r in prompting)

@@ -262,8 +262,7 @@ class LoadShedder:
     def _check(self, health: DriverHealth, est: Estimate, priority: int, prompt_tokens: int) -> None:
         target = self.policy.target(priority)
         ahead = est.predicted_ahead_s
-        if ahead is not None:
-            # Unproven: its most optimistic reading.
+        if ahead is not None:  # calibrated once proven; until then its most optimistic reading
             ahead *= self.calibration if self.checked >= self.policy.trust_after else CALIBRATION_BOUNDS[0]
         if est.queues_for_slot and ahead is not None and ahead > target:
             self._refuse(

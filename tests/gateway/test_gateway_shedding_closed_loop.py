@@ -33,15 +33,14 @@ async def _closed_loop(driver: NativeDriver, shedder: LoadShedder) -> tuple[int,
         prompt = [rng.randrange(40_000) for _ in range(rng.randrange(100, 400))]
         request = GenerationRequest(request_id=name, model=driver.served_model_name, tokenized_prompt=prompt,
                                     max_tokens=OUTPUT, temperature=0.0, ignore_eos=True, priority=0)
-        health = await driver.health()
-        wait = shedder.estimate(health, 0, len(prompt)).wait_s
         try:
-            pending = shedder.admit(health, 0, len(prompt), OUTPUT)
+            pending = shedder.admit(await driver.health(), 0, len(prompt), OUTPUT)
         except DriverError:
             refused += 1
             return
         admitted += 1
-        beyond += wait is not None and wait > TARGET_S
+        # The prediction it was admitted on, calibrated as it was then.
+        beyond += pending.predicted_s is not None and pending.predicted_s * pending.calibration > TARGET_S
         try:
             async for _ in driver.generate(request):
                 shedder.started(pending)
