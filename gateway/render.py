@@ -69,6 +69,18 @@ class ChoiceOutput:
             self.finish_reason = str(chunk.finish_reason)
 
 
+def _nothing_new(chunk: GenerationChunk, logprobs: bool) -> bool:
+    """A chunk with no token, no text, no end and no logprobs to show gets no event.
+
+    A token whose text is held back (a stop string may be forming, or it ends inside a UTF-8
+    character) still gets its event, with empty text, as vLLM's server sends one: a client sees one
+    event per token at the time the token was made. Skipped, the next event carried two tokens'
+    text, and every such token doubled one inter-token gap a client measures (at 8 random-prompt
+    streams, ~20 of ~4,000 gaps, enough to move the p99 by ~20 ms).
+    """
+    return not chunk.token_ids and not chunk.text and chunk.finish_reason is None and not (logprobs and chunk.logprobs)
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
     details = PromptTokensDetails(cached_tokens) if cached_tokens is not None else None
     return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
@@ -175,8 +187,8 @@ class ChatChunks:
         return self._chunk([ChatChunkChoice(index, Delta(role="assistant", content=""))])
 
     def delta(self, index: int, chunk: GenerationChunk, logprobs: bool) -> bytes | None:
-        if not chunk.text and chunk.finish_reason is None and not (logprobs and chunk.logprobs):
-            return None  # nothing visible yet (e.g. text held back while a stop string may form)
+        if _nothing_new(chunk, logprobs):
+            return None
         lp = _chat_logprobs(chunk.logprobs or []) if logprobs else None
         delta = Delta(content=chunk.text) if chunk.text or chunk.finish_reason is None else Delta()
         finish = str(chunk.finish_reason) if chunk.finish_reason is not None else None
@@ -210,7 +222,7 @@ class CompletionChunks:
         )
 
     def delta(self, index: int, chunk: GenerationChunk, logprobs: bool) -> bytes | None:
-        if not chunk.text and chunk.finish_reason is None and not (logprobs and chunk.logprobs):
+        if _nothing_new(chunk, logprobs):
             return None
         lp = None
         if logprobs:

@@ -77,6 +77,28 @@ def test_stop_string_and_logprobs(client: openai.OpenAI) -> None:
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
 
 
+def test_every_token_gets_its_event_while_its_text_is_held_back(client: openai.OpenAI) -> None:
+    # A stop string that the whole output is a prefix of holds every token's text back until the
+    # end; each token still gets its event (empty text), as vLLM's server sends one, so a client's
+    # inter-token times are the engine's and not a multiple of them.
+    kwargs = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 12, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
+    held = {**kwargs, "stop": [full + "\u00a7"]}  # never completed: the output ends by length
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **held))
+    events = [c.choices[0] for c in chunks if c.choices]
+    assert len(events) == 12 == chunks[-1].usage.completion_tokens  # type: ignore[union-attr]
+    assert [e.text for e in events[:-1]] == [""] * 11  # held back while the stop string might form
+    assert events[-1].text == full and events[-1].finish_reason == "length"
+    chat = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=8, temperature=0,
+        stop=["\u00a7 never"], stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    ))
+    deltas = [c.choices[0].delta for c in chat if c.choices]
+    assert len(deltas) == 1 + 8 == 1 + chat[-1].usage.completion_tokens  # type: ignore[union-attr]  # role first
+
+
 def test_bad_inputs_get_openai_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model=MODEL, prompt="hello " * 900, max_tokens=500)
