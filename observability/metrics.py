@@ -27,6 +27,7 @@ from observability.node_health import prompt_bucket
 from observability.timeline import RequestTimeline
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DELIVERY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
@@ -92,6 +93,12 @@ class ServingMetrics:
                          "Time from request arrival at the gateway to its first token", LATENCY_BUCKETS)
         self.itl = hist("sluice_inter_token_latency_seconds", "Time between consecutive output tokens",
                         ITL_BUCKETS)
+        # Engine token time -> the gateway takes the chunk: what the engine's token times (ITL above) do not
+        # show of a client's inter-token gaps, e.g. a blocked event loop. Same-host clocks: local engines only
+        # (a fleet worker's chunks carry no token time).
+        self.delivery = hist("sluice_token_delivery_seconds",
+                             "Time from the engine producing a token to the gateway taking it for the response",
+                             DELIVERY_BUCKETS, ("model", "node"))
         self.tpot = hist("gen_ai_server_time_per_output_token_seconds",
                          "Per request: decode time / (output tokens - 1)", ITL_BUCKETS)
         self.e2e = hist("gen_ai_server_request_duration_seconds",
@@ -123,6 +130,10 @@ class ServingMetrics:
                     itl.observe(gap)
                 if c.first_token is not None and c.last_token is not None:
                     self.tpot.labels(*labels).observe((c.last_token - c.first_token) / len(c.itl))
+            if c.delivery:
+                delivery = self.delivery.labels(model, c.node or "none")
+                for lag in c.delivery:
+                    delivery.observe(lag)
             if c.arrival is not None and c.scheduled is not None:
                 self.queue.labels(*labels).observe(max(0.0, c.scheduled - c.arrival))
             if c.preemption_times:

@@ -24,6 +24,9 @@ class ChoiceTimeline:
     first_token: float | None = None  # time.time() of the first token
     last_token: float | None = None
     itl: list[float] = field(default_factory=list)  # gaps between consecutive tokens, seconds
+    # Per chunk with an engine token time: from the engine making its last token to the gateway taking the
+    # chunk for the response (the engine pipe, the event loop's backlog), seconds.
+    delivery: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     # From the final chunk (the engine's own clock, time.time()):
     arrival: float | None = None
@@ -38,7 +41,10 @@ class ChoiceTimeline:
         new = chunk.completion_tokens - self.completion_tokens
         self.completion_tokens = chunk.completion_tokens
         if new > 0:
-            t = chunk.token_time or time.time()
+            now = time.time()
+            t = chunk.token_time or now
+            if chunk.token_time is not None:
+                self.delivery.append(max(0.0, now - chunk.token_time))
             if self.last_token is None:
                 self.first_token = t
                 new -= 1  # the first token has no gap before it

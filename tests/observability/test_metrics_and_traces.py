@@ -67,6 +67,10 @@ def test_metrics_count_requests_and_tokens_and_traces_continue_the_callers(trace
     assert _total(m, "gen_ai_server_time_per_output_token_seconds_count", **model) == n
     assert _total(m, "sluice_inter_token_latency_seconds_count", **model) == sum(c - 1 for c in completion)
     assert _total(m, "sluice_request_queue_time_seconds_count", **model) == n
+    # engine token time -> the gateway took the chunk: one per chunk with a token (the synthetic driver's carry one)
+    assert _total(m, "sluice_token_delivery_seconds_count", node="synthetic", **model) == sum(completion)
+    assert 0 <= _total(m, "sluice_token_delivery_seconds_sum", **model) < _total(
+        m, "gen_ai_server_request_duration_seconds_sum", **model)
     assert _total(m, "gen_ai_client_token_usage_count", token_type="output") == n
     assert _total(m, "gen_ai_client_token_usage_sum", token_type="output") == sum(completion)
     assert _total(m, "sluice_requests_total", status="ok", tenant="none") == n
