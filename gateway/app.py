@@ -171,10 +171,10 @@ async def _start_driver(driver: Driver, drain: Drain, started: asyncio.Event) ->
 def freeze_startup_heap() -> None:
     """Collect once, then move what start-up made out of the collector's sight.
 
-    The gateway holds ~300k objects once its driver is up (modules, the tokenizer, and the GGUF
-    reader's ~95k memmaps, garbage from loading the tokenizer), and a full collection walks them
-    all: 120-200 ms on a 2-core EPYC, during which no stream of this process gets a byte. Such
-    collections came every few hundred ms while the first requests ran (measured with gc.callbacks).
+    The gateway holds ~300k objects once its driver is up (modules, the tokenizer, and ~95k numpy
+    memmaps that reading the GGUF left as garbage), and a full collection walks them all: 120-240 ms
+    on a 2-core EPYC, during which no stream of this process gets a byte. Such collections came
+    every ~0.5 s after start and while the first requests ran (measured with gc.callbacks).
     Frozen objects are never collected, so this runs once the driver started, after a collection,
     as the engine process does once its model is loaded (engine_native/process.py)."""
     gc.collect()
