@@ -41,10 +41,11 @@ class ChoiceTimeline:
         new = chunk.completion_tokens - self.completion_tokens
         self.completion_tokens = chunk.completion_tokens
         if new > 0:
-            now = time.time()
-            t = chunk.token_time or now
-            if chunk.token_time is not None:
-                self.delivery.append(max(0.0, now - chunk.token_time))
+            t = chunk.token_time
+            if t is None:
+                t = time.time()
+            else:
+                self.delivery.append(max(0.0, time.time() - t))
             if self.last_token is None:
                 self.first_token = t
                 new -= 1  # the first token has no gap before it
