@@ -25,9 +25,9 @@ from typing import Any
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "simulator" / "profiles" / "cpu-smollm2-135m.json"
 BATCHES = (1, 2, 4, 8, 16)
-# Steps of up to 8 sequences run the engine's fused C++ decode (EngineConfig.quantized_max_rows); larger
-# ones take the dense path and cost several times more: the linear model is fitted where it holds, and
-# the profile caps a worker's batch there.
+# Steps of up to EngineConfig.quantized_max_rows sequences run the engine's fused C++ decode (8; 2 where the
+# bf16 panels take the steps above), larger ones the dense path: the linear model is fitted up to 8
+# sequences, and the profile caps a worker's batch there.
 FITTED = (1, 2, 4, 8)
 DECODE_STEPS = 12
 SHORT_PROMPT, LONG_PROMPT = 32, 480

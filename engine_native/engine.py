@@ -30,7 +30,11 @@ from engine_native.kv_cache_manager import KVCacheManager
 from engine_native.messages import EngineStats, LogprobEntry, LogprobTop, RequestOutput
 from engine_native.model.attention_backends import SDPA, build_attention_backend, resolve_backend_name
 from engine_native.model.base import CausalLM, LoadedModel, Tokenizer
-from engine_native.model.llama import kernels_take_bf16_cache
+from engine_native.model.llama import (
+    QUANTIZED_MAX_ROWS,
+    QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS,
+    kernels_take_bf16_cache,
+)
 from engine_native.model.loader import load_model
 from engine_native.precision import parse_dtype
 from engine_native.request import Request, RequestStatus
@@ -92,22 +96,26 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
+        # Packed first: where the bf16 panels are made, they take the pure-decode steps the blocks are slower at.
+        quantized_rows = config.quantized_max_rows
+        panel_rows = config.bf16_panel_max_rows if quantized_rows is None or quantized_rows < config.bf16_panel_max_rows else 0
+        num_packed = self.loaded.model.pack_dense(bf16_panel_max_rows=panel_rows) if config.pack_weights and on_cpu else 0
+        # 0 where the kernel does not run; an engine sharing a loaded model (tests) finds it packed already.
+        panel_rows = getattr(self.loaded.model, "bf16_panel_max_rows", 0) if on_cpu else 0
+        if num_packed:
+            log.info("%d dense weight matrices pre-packed for oneDNN%s", num_packed,
+                     f" (decode steps of <= {panel_rows} sequences through the bf16 panels)" if panel_rows else "")
+        if quantized_rows is None:
+            quantized_rows = (QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS if panel_rows > QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS
+                              else QUANTIZED_MAX_ROWS)
         # The quantized blocks are a CPU kernel's: off on an accelerator.
         num_quantized = self.loaded.model.enable_quantized(
-            config.quantized_max_rows if on_cpu else 0, config.amx_max_rows if on_cpu else 0,
-            config.panel_max_rows if on_cpu else 0,
+            quantized_rows if on_cpu else 0, config.amx_max_rows if on_cpu else 0, config.panel_max_rows if on_cpu else 0,
         )
         if num_quantized:
             panel = getattr(self.loaded.model, "panel_max_rows", 0)  # 0 where the panel kernels do not run
             log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices%s",
-                     config.quantized_max_rows, num_quantized,
-                     f" (<= {panel} through the panel kernels)" if panel else "")
-        if config.pack_weights and on_cpu and (
-            num_packed := self.loaded.model.pack_dense(bf16_panel_max_rows=config.bf16_panel_max_rows)
-        ):
-            panel = getattr(self.loaded.model, "bf16_panel_max_rows", 0)  # 0 where the kernel does not run
-            log.info("%d dense weight matrices pre-packed for oneDNN%s", num_packed,
-                     f" (decode steps of <= {panel} sequences through the bf16 panels)" if panel else "")
+                     quantized_rows, num_quantized, f" (<= {panel} through the panel kernels)" if panel else "")
         # The quantized steps (and the fused decoder among them) attend through Sluice's kernels, which
         # take an fp32 cache anywhere and a bf16 one on AVX-512; bf16 halves the bytes a decode reads.
         default_kv_dtype = self.loaded.dtype

@@ -83,6 +83,16 @@ def can_pack(dtype: torch.dtype) -> bool:
     )
 
 
+# Steps of at most this many tokens multiply by the GGUF blocks where EngineConfig.quantized_max_rows is None...
+QUANTIZED_MAX_ROWS = 8
+# ...or at most this many where the bf16 panels take the pure-decode steps above it. The blocks compute in fp32
+# (16 multiply-adds an instruction against vdpbf16ps' 32) from 0.625 bytes a weight against the panels' 2: up to
+# 2 rows the bytes bound a step and the blocks win, from 3 the products do and the panels win. In-process on a
+# 2-core AVX-512 BF16 EPYC, the bundled model, decode steps at 192 tokens of context, blocks against panels:
+# 1 sequence 6.5 / 11.9 ms, 2 8.6 / 9.9, 3 11.0 / 10.7, 4 13.2 / 10.6, 8 26.5 / 13.5 (docs/engine.md).
+QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS = 2
+
+
 def kernels_take_bf16_cache() -> bool:
     """Whether this host's C++ kernels read and write a bf16 KV cache (built with AVX-512)."""
     kernels = cpu_kernels()

@@ -187,6 +187,22 @@ def test_the_panels_are_off_where_the_dense_weights_are_not_bf16_or_amx_takes_th
     assert (engine.loaded.model.bf16_panel_max_rows > 0) == (panels_on_here and engine.loaded.dtype == torch.bfloat16)
 
 
+def test_the_blocks_take_decode_steps_of_up_to_2_sequences_where_the_panels_are_made_else_8() -> None:
+    """From 3 sequences the panels' bf16 products are faster than the blocks' fp32 ones (docs/engine.md):
+    left unset, quantized_max_rows gives way to them where they are made; set, it is kept."""
+    auto = LLMEngine(EngineConfig(model_path=bundled_model_path(), cache=CacheConfig(num_blocks=64)), progress=False)
+    model = auto.loaded.model
+    assert model.quantized_max_rows == (2 if panels_on_here and auto.loaded.dtype == torch.bfloat16 else 8)
+    assert (model.bf16_panel_max_rows > 0) == (model.quantized_max_rows == 2)
+    explicit = LLMEngine(EngineConfig(model_path=bundled_model_path(), quantized_max_rows=8,
+                                      cache=CacheConfig(num_blocks=64)), progress=False)
+    assert explicit.loaded.model.quantized_max_rows == 8
+    assert explicit.loaded.model.bf16_panel_max_rows == model.bf16_panel_max_rows  # steps of 9 and more
+    no_panels = LLMEngine(EngineConfig(model_path=bundled_model_path(), bf16_panel_max_rows=0,
+                                       cache=CacheConfig(num_blocks=64)), progress=False)
+    assert no_panels.loaded.model.quantized_max_rows == 8 and no_panels.loaded.model.bf16_panel_max_rows == 0
+
+
 def test_greedy_answers_of_a_batch_of_12_are_as_faithful_as_onednns() -> None:
     """12 sequences decode in steps of 12 rows through the panels or through oneDNN. The two differ in the
     order of additions and in the logits (fp32 sums against oneDNN's bf16-rounded ones, where two tokens can

@@ -126,10 +126,10 @@ def test_bias_and_bf16_inputs() -> None:
     torch.testing.assert_close(y.float(), (x.float() @ dequantize(w).t() + bias), atol=0.02, rtol=0.01)
 
 
-def _engine(quantized_max_rows: int, dtype: str = "auto", panel_max_rows: int | None = None) -> LLMEngine:
-    """`quantized_max_rows` 0 and no `panel_max_rows`: the dense weights only."""
+def _engine(quantized_max_rows: int | None, dtype: str = "auto", panel_max_rows: int | None = None) -> LLMEngine:
+    """`quantized_max_rows` 0 and no `panel_max_rows`: the dense weights only; None: the default."""
     if panel_max_rows is None:
-        panel_max_rows = EngineConfig.__dataclass_fields__["panel_max_rows"].default if quantized_max_rows else 0
+        panel_max_rows = EngineConfig.__dataclass_fields__["panel_max_rows"].default if quantized_max_rows != 0 else 0
     return LLMEngine(
         EngineConfig(model_path=bundled_model_path(), quantized_max_rows=quantized_max_rows, dtype=dtype,
                      panel_max_rows=panel_max_rows, cache=CacheConfig(num_blocks=256, enable_prefix_caching=False)),
@@ -168,13 +168,14 @@ def test_greedy_answers_are_the_same_on_both_paths_in_fp32() -> None:
 
 
 def test_default_greedy_answers_are_the_same_alone_and_in_a_batch_of_8() -> None:
-    """The default configuration (bf16 dense weights where the CPU has native bf16): decodes of up to
-    `quantized_max_rows` sequences run through the fp32 blocks alone or batched. The prompts' prefill
-    is one bf16 GEMM of all their rows, and on a CPU with AMX oneDNN picks its kernel by the row count
-    (rows of a 37-row product differ in the last bits from the same rows inside a 301-row one; no
-    packing hint changes that), so there the batch may flip a greedy token where the two best are
-    within rounding. A request's tokens are the same alone and in the batch of 8, except, at most, from
-    a near tie on: less than 0.05 nats between the two best, the batch taking the other of the two."""
+    """The default configuration (bf16 dense weights where the CPU has native bf16): a decode alone runs
+    through the fp32 blocks; in a batch of 8 through the same blocks, except where the bf16 panels take
+    decode steps of more than 2 sequences (AVX-512 BF16 without AMX), whose inputs are rounded to bf16.
+    The prompts' prefill is one bf16 GEMM of all their rows, and on a CPU with AMX oneDNN picks its kernel
+    by the row count (rows of a 37-row product differ in the last bits from the same rows inside a 301-row
+    one; no packing hint changes that). Either way the batch may flip a greedy token where the two best
+    are within rounding. A request's tokens are the same alone and in the batch of 8, except, at most,
+    from a near tie on: less than 0.05 nats between the two best, the batch taking the other of the two."""
     greedy = SamplingParams(max_tokens=16, temperature=0)
     engine = _engine(EngineConfig.__dataclass_fields__["quantized_max_rows"].default)
     prompts = [_chat(engine, q) for q in QUESTIONS]
