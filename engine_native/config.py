@@ -158,7 +158,7 @@ class EngineConfig:
     # (model/quant.py: the same weight values, 4-8x fewer bytes read than fp32) instead of the dense
     # weights; bigger steps are compute-bound and use the dense GEMM. 0 turns it off. None: 8, or 2 where the
     # bf16 panels below take the pure-decode steps above it (AVX-512 BF16, no AMX), which from 3 sequences
-    # are faster than the blocks' fp32 products (model/llama.py default_quantized_max_rows).
+    # are faster than the blocks' fp32 products (model/llama.py QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS).
     quantized_max_rows: int | None = None
     # Pure-decode steps of more sequences, up to this many, multiply by the Q4_1 blocks through AMX where
     # the CPU has AMX-BF16 (kernels/amx_linear.cpp): the dense path's very bf16 weights, dequantized from

@@ -96,9 +96,12 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
-        # Packed first: where the bf16 panels are made, they take the pure-decode steps the blocks are slower at.
+        # Packed first: where the bf16 panels are made, they take the pure-decode steps the blocks are slower at
+        # (unless quantized_max_rows is set at or above their bound, which leaves them no step: none made).
         quantized_rows = config.quantized_max_rows
-        panel_rows = config.bf16_panel_max_rows if quantized_rows is None or quantized_rows < config.bf16_panel_max_rows else 0
+        panel_rows = config.bf16_panel_max_rows
+        if quantized_rows is not None and quantized_rows >= panel_rows:
+            panel_rows = 0
         num_packed = self.loaded.model.pack_dense(bf16_panel_max_rows=panel_rows) if config.pack_weights and on_cpu else 0
         # 0 where the kernel does not run; an engine sharing a loaded model (tests) finds it packed already.
         panel_rows = getattr(self.loaded.model, "bf16_panel_max_rows", 0) if on_cpu else 0
