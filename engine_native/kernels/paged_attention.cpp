@@ -273,7 +273,11 @@ inline void score_heads(const float* q, const KV* const* k, int64_t nv, float sc
     }
   }
   for (int j = 0; j < G; ++j) {
-    const __m256 s = _mm256_mul_ps(reduce8(acc[j]), _mm256_set1_ps(scale));
+    // Reduced from a copy: reduce8 takes its operand's address, and with acc's own taken GCC kept all 24
+    // accumulators in memory, storing each after every multiply-add (~as many stores as FMAs).
+    __m512 sums[8];
+    for (int i = 0; i < 8; ++i) sums[i] = acc[j][i];
+    const __m256 s = _mm256_mul_ps(reduce8(sums), _mm256_set1_ps(scale));
     if (n == 8) {
       _mm256_storeu_ps(scores + j * len, s);
     } else {
