@@ -14,7 +14,7 @@ gave the same output bits (the kernel's arithmetic must not depend on where a bl
 It is the kernel's own in-process figure, on the bundled model's shapes by default (9 query heads, 3 KV
 heads, head_dim 64, bf16 cache where the kernels take one), not a served figure: `sluice bench serve`
 measures what a client sees. The pool is allocated as the engine process allocates its own, with transparent
-huge pages asked for (`THP_MEM_ALLOC_ENABLE`, engine_native/process.py): with 4 KiB pages the scattered walk
+huge pages asked for (engine_native/host_memory.py `ask_for_huge_pages`): with 4 KiB pages the scattered walk
 pays TLB misses the engine does not (21 sequences of 800-1,600 tokens: ~40 against ~34 ms on an AVX-512 EPYC).
 """
 
@@ -50,7 +50,9 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch's first allocation, as the engine process
+    from engine_native.host_memory import ask_for_huge_pages
+
+    ask_for_huge_pages()  # before torch's first allocation, as the engine process
     import torch
 
     from engine_native.kernels import cpu_kernels

@@ -99,10 +99,10 @@ class LLMEngine:
         # Packed first: where the bf16 panels are made, they take the pure-decode steps the blocks are slower at
         # (unless quantized_max_rows is set at or above their bound, which leaves them no step: none made).
         quantized_rows = config.quantized_max_rows
-        panel_rows = config.bf16_panel_max_rows
-        if quantized_rows is not None and quantized_rows >= panel_rows:
-            panel_rows = 0
-        num_packed = self.loaded.model.pack_dense(bf16_panel_max_rows=panel_rows) if config.pack_weights and on_cpu else 0
+        panels_asked = config.bf16_panel_max_rows
+        if quantized_rows is not None and quantized_rows >= panels_asked:
+            panels_asked = 0
+        num_packed = self.loaded.model.pack_dense(bf16_panel_max_rows=panels_asked) if config.pack_weights and on_cpu else 0
         # 0 where the kernel does not run; an engine sharing a loaded model (tests) finds it packed already.
         panel_rows = getattr(self.loaded.model, "bf16_panel_max_rows", 0) if on_cpu else 0
         if num_packed:

@@ -1,4 +1,5 @@
-"""Keep freed host memory in the engine process instead of handing it back to the kernel each step.
+"""How the engine process holds host memory: freed memory kept instead of handed back to the kernel each
+step (`retain_freed_memory`), and transparent huge pages asked for (`ask_for_huge_pages`).
 
 glibc's malloc serves a large block (above its mmap threshold, 128 KiB at start) with a fresh mmap
 and unmaps it on free, and gives the top of its heap back once more than the trim threshold is free
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 log = logging.getLogger("sluice.engine")
 
@@ -36,3 +38,11 @@ def retain_freed_memory() -> bool:
     if not done:
         log.warning("mallopt refused the thresholds: steps may page-fault their activations in again")
     return done
+
+
+def ask_for_huge_pages() -> None:
+    """Have PyTorch's CPU allocator ask for transparent huge pages for its large buffers (the KV pool, the
+    weights); it reads the setting at its first allocation, so call this before any. Hosts whose THP mode is
+    "madvise" (the common default) otherwise give 4 KiB pages only, and the decode attention's walk over
+    scattered cache blocks pays a TLB miss every few rows. A value already set is kept."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

@@ -22,6 +22,7 @@ import msgspec
 
 from engine_native.config import EngineConfig
 from engine_native.errors import QueueFullError
+from engine_native.host_memory import ask_for_huge_pages
 from engine_native.messages import (
     AbortRequest,
     AddRejected,
@@ -55,11 +56,7 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
     def send(msg: EngineMessage) -> None:
         outbox.send_bytes(encoder.encode(msg))
 
-    # PyTorch's CPU allocator asks for transparent huge pages for its large buffers (the KV pool, the weights)
-    # when this is set before its first allocation; hosts whose THP mode is "madvise" (the common default)
-    # otherwise give the engine 4 KiB pages only, and the decode attention's walk over scattered cache
-    # blocks pays a TLB miss every few rows.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    ask_for_huge_pages()  # before torch's first allocation
     try:
         from engine_native.engine import LLMEngine  # imported here: torch loads in the child only
 
