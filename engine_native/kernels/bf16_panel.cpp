@@ -33,6 +33,8 @@
 #include <optional>
 #include <type_traits>
 
+#include "simd.h"
+
 namespace sluice {
 namespace {
 
@@ -104,6 +106,22 @@ void matmul(const uint32_t* x32, int64_t m, int64_t k, const uint16_t* panels, i
 }
 
 #endif  // __AVX512BF16__
+
+}  // namespace
+
+#if defined(__AVX512BF16__)
+void bf16_panel_matmul(const uint16_t* x, int64_t m, int64_t k, const uint16_t* panels, int64_t n, const float* bias,
+                       float* out) {
+  matmul(reinterpret_cast<const uint32_t*>(x), m, k, panels, n, bias, out);
+}
+
+void bf16_panel_matmul(const uint16_t* x, int64_t m, int64_t k, const uint16_t* panels, int64_t n, const float* bias,
+                       uint16_t* out) {
+  matmul(reinterpret_cast<const uint32_t*>(x), m, k, panels, n, bias, out);
+}
+#endif
+
+namespace {
 
 bool bf16_panel_available() {
 #if defined(__AVX512BF16__)

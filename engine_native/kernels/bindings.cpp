@@ -10,6 +10,7 @@ void register_amx_linear(pybind11::module& m);
 void register_prefill_attention(pybind11::module& m);
 void register_quant_panel(pybind11::module& m);
 void register_bf16_panel(pybind11::module& m);
+void register_panel_decode(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant_linear(m);
@@ -21,4 +22,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_prefill_attention(m);
   register_quant_panel(m);
   register_bf16_panel(m);
+  register_panel_decode(m);
 }

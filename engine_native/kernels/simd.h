@@ -97,6 +97,15 @@ void paged_decode_bf16(const float* q, int64_t b, int64_t h, int64_t d, const ui
                        int64_t max_blocks, const int64_t* lens, float scale, float* out);
 #endif
 
+#if defined(__AVX512BF16__)
+// out [m, n] = x [m, k] (bf16 bits) @ W^T (+ bias [n] fp32 or null), W given as its bf16 panels (see
+// bf16_panel.cpp), into fp32 or bf16 bits (rounded to nearest even); the panels split across ATen's threads.
+void bf16_panel_matmul(const uint16_t* x, int64_t m, int64_t k, const uint16_t* panels, int64_t n, const float* bias,
+                       float* out);
+void bf16_panel_matmul(const uint16_t* x, int64_t m, int64_t k, const uint16_t* panels, int64_t n, const float* bias,
+                       uint16_t* out);
+#endif
+
 // fp32 -> bf16 bits, rounded to nearest even as PyTorch's .to(torch.bfloat16) rounds.
 inline uint16_t to_bf16(float f) {
   uint32_t bits;

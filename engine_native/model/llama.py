@@ -244,6 +244,22 @@ class DecoderLayer(nn.Module):
         )
         return out if keep_dtype else out.float()
 
+    def decodes_on_bf16_panels(self, rows: int) -> bool:
+        """Whether a pure-decode step of `rows` sequences takes all four matrices to the bf16 panels with bf16 in
+        and out, the row-wise kernels between (`_linear`'s choice for each): what kernels/panel_decode.cpp runs."""
+        return (
+            self.rowwise_kernels
+            and self._bf16_io(rows)
+            and rows <= self.bf16_panel_max_rows
+            and all(
+                name in self.bf16_panels
+                and not (name in self.quantized and rows <= self.quantized_max_rows)
+                and not (name in self.panel and rows <= self.panel_max_rows)
+                and not (name in self.amx and rows <= self.amx_max_rows)
+                for name in _DENSE
+            )
+        )
+
     def _bf16_io(self, rows: int) -> bool:
         """A step of `rows` tokens multiplies by all four dense matrices in bf16: the row-wise kernels
         then read the GEMMs' bf16 outputs and write bf16 inputs for them, the values the casts would give."""
@@ -328,6 +344,11 @@ class LlamaForCausalLM(nn.Module):
         self.quantized_max_rows = 0
         self._fused: Any | None = None  # kernels.FusedDecoder, built at the first step that can use it
         self._fused_key: int | None = None
+        # kernels.PanelDecoder for pure-decode steps on the bf16 panels (`_panel_decoder_for`), likewise; off: the
+        # same steps layer by layer (the same bits, tests/engine/test_panel_decode.py).
+        self.panel_decoder_on = True
+        self._panel_decoder: Any | None = None
+        self._panel_decoder_key: int | None = None
         # None: model/attention.py's CPU path (and the fused decoder); else the backend chosen at start.
         self.attention_backend: AttentionBackend | None = None
         self.prefill_attention_dtype = torch.float32
@@ -433,6 +454,37 @@ class LlamaForCausalLM(nn.Module):
             self.rope.cos, self.rope.sin,
         )
 
+    def _panel_decoder_for(self, batch: ForwardBatch, kv_cache: KVCache) -> Any | None:
+        """The C++ loop over the layers (kernels/panel_decode.cpp) when this step would take every layer's
+        matrices to the bf16 panels: a pure-decode step of more than `quantized_max_rows` sequences, up to
+        `bf16_panel_max_rows`, attending through Sluice's kernel. Built once per KV cache."""
+        rows = batch.num_tokens
+        if not (self.panel_decoder_on and batch.is_pure_decode and rows <= self.bf16_panel_max_rows
+                and self.use_decode_kernel(kv_cache)):
+            return None
+        # Asked each step (~50 us for 30 layers): the layers' bounds are plain attributes that may change.
+        if not all(isinstance(layer, DecoderLayer) and layer.decodes_on_bf16_panels(rows) for layer in self.layers):
+            return None
+        key = id(kv_cache.k[0])
+        if self._panel_decoder_key != key:
+            self._panel_decoder = self._build_panel_decoder(kv_cache)
+            self._panel_decoder_key = key
+        return self._panel_decoder
+
+    def _build_panel_decoder(self, kv_cache: KVCache) -> Any | None:
+        kernels = cpu_kernels()
+        if kernels is None:
+            return None
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        cfg = self.config
+        return kernels.PanelDecoder(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
+            [layer.bf16_panels[name].data for layer in layers for name in _DENSE],
+            [layer.qkv_bias_fp32 for layer in layers if layer.qkv_bias_fp32 is not None],
+            [t for layer in layers for t in (layer.input_norm.data, layer.post_norm.data)],
+            kv_cache.k, kv_cache.v, self.rope.cos, self.rope.sin,
+        )
+
     def place_on(self, device: torch.device) -> None:
         """Move the weights and the RoPE table to `device` (the engine does this once, before the KV pool)."""
         self.to(device)
@@ -466,21 +518,26 @@ class LlamaForCausalLM(nn.Module):
             logits: torch.Tensor = fused.forward(x, batch.positions, batch.slot_mapping, batch.block_tables,
                                                  context_lens)
             return logits
-        plan: AttentionPlan | StepAttention
-        if self.attention_backend is not None:
-            plan = self.attention_backend.plan(batch, kv_cache)
-        else:
-            plan = AttentionPlan.from_batch(batch, decode_kernel=self.use_decode_kernel(kv_cache),
-                                            prefill_dtype=self.prefill_attention_dtype,
-                                            prefill_kernel=self.prefill_attention_kernel_on and prefill_kernel_fits(kv_cache.k[0]))
-        cos, sin = self.rope.lookup(batch.positions)
         x = F.embedding(batch.input_ids, self.embed).float()
         # The AMX and bf16 panel kernels take pure-decode steps only: a prompt is multiplied by oneDNN
         # whatever its length, so its first token does not depend on which kernel a prompt of its size gets.
         pure_decode = batch.is_pure_decode
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch.slot_mapping, kv_cache.k[i], kv_cache.v[i], plan,
-                      pure_decode=pure_decode)
+        panel_decoder = self._panel_decoder_for(batch, kv_cache) if self.attention_backend is None else None
+        if panel_decoder is not None:  # the same layers in one call, bit for bit
+            context_lens = torch.tensor(batch.context_lens, dtype=torch.int64)
+            x = panel_decoder.forward(x, batch.positions, batch.slot_mapping, batch.block_tables, context_lens)
+        else:
+            plan: AttentionPlan | StepAttention
+            if self.attention_backend is not None:
+                plan = self.attention_backend.plan(batch, kv_cache)
+            else:
+                plan = AttentionPlan.from_batch(
+                    batch, decode_kernel=self.use_decode_kernel(kv_cache), prefill_dtype=self.prefill_attention_dtype,
+                    prefill_kernel=self.prefill_attention_kernel_on and prefill_kernel_fits(kv_cache.k[0]))
+            cos, sin = self.rope.lookup(batch.positions)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, batch.slot_mapping, kv_cache.k[i], kv_cache.v[i], plan,
+                          pure_decode=pure_decode)
         # Norm and lm_head only on the rows whose logits are wanted: the vocab GEMM dominates.
         h = x[batch.logits_indices]
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.config.rms_norm_eps)
