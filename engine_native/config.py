@@ -90,8 +90,9 @@ class SchedulerConfig:
     # Prompt tokens a step computes beside running decodes (None: the step budget is the only cap).
     # Every decoding stream waits for the whole step, so the prompt work in a step with decodes is the
     # stall of each of their inter-token gaps; a step without decodes takes the full budget, and so does
-    # one where no more streams decode than prompts wait (the cap would delay more requests than it
-    # spares: the second half of a wave of prompts). A backlog of prompt tokens larger than the cap times
+    # one where no more than twice as many streams decode as prompts wait (the rest of a wave of prompts:
+    # cut, it becomes one more group of streams, replaced later beside the others' decodes; see
+    # Scheduler._prefill_allowance). A backlog of prompt tokens larger than the cap times
     # `prefill_backlog_steps` lifts it to a share of the backlog (up to the budget), so prompts arriving
     # faster than the cap can serve are not starved. 1,024, half the budget: on mixed prompts at 32
     # streams the inter-token p99 fell ~35% with the threshold above at 1,024 (docs/engine.md, "Knobs").

@@ -153,7 +153,7 @@ def test_prompt_work_beside_decodes_is_capped_and_a_step_without_decodes_takes_t
         s.add_request(r)
     sched = run_step(s)  # nobody decodes yet: the whole budget goes to prompts
     assert sum(x.num_new_tokens for x in sched.scheduled) == 60
-    late = [make_request(f"b{i}", 20, max_tokens=50, arrival=1.0) for i in range(2)]
+    late = [make_request("b0", 20, max_tokens=50, arrival=1.0)]  # 3 decoders, 1 prompt: capped
     for r in late:
         s.add_request(r)
     while any(r.num_output_tokens == 0 for r in late):
@@ -161,7 +161,7 @@ def test_prompt_work_beside_decodes_is_capped_and_a_step_without_decodes_takes_t
         new = {x.request.request_id: x.num_new_tokens for x in sched.scheduled}
         assert all(new[r.request_id] == 1 for r in first)  # every decode in every step
         prompt_work = [x for x in sched.scheduled if x.num_computed_before < x.request.num_prompt_tokens]
-        assert 0 < sum(x.num_new_tokens for x in prompt_work) <= 8  # a running chunk and a new one share it
+        assert 0 < sum(x.num_new_tokens for x in prompt_work) <= 8
     assert all(r.num_prefill_chunks >= 2 for r in late)
     drain(s)
     for r in first + late:
@@ -171,9 +171,9 @@ def test_prompt_work_beside_decodes_is_capped_and_a_step_without_decodes_takes_t
 def test_a_backlog_of_prompts_lifts_the_cap_to_a_share_of_itself() -> None:
     # Prompts arriving faster than the cap computes them: the allowance is a quarter of what is still
     # to compute (never under the cap, never over the budget), so the backlog drains.
-    s = make_scheduler(num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=64,
+    s = make_scheduler(num_blocks=2048, max_num_seqs=20, max_num_batched_tokens=64,
                        long_prefill_token_threshold=64, prefill_tokens_beside_decodes=8, prefill_backlog_steps=4)
-    first = [make_request(f"a{i}", 6, max_tokens=60) for i in range(6)]
+    first = [make_request(f"a{i}", 5, max_tokens=60) for i in range(12)]  # 12 decoders: more than 2 x 5 prompts
     for r in first:
         s.add_request(r)
     run_step(s)
@@ -186,7 +186,7 @@ def test_a_backlog_of_prompts_lifts_the_cap_to_a_share_of_itself() -> None:
         assert all(x.num_new_tokens == 1 for x in sched.scheduled if x.request in first)  # decodes every step
         allowances.append(sum(x.num_new_tokens for x in sched.scheduled
                               if x.num_computed_before < x.request.num_prompt_tokens))
-    assert allowances[0] == 200 // 4  # 5 prompts of 40 waiting: 50 of the 58 tokens left beside 6 decodes
+    assert allowances[0] == 200 // 4  # 5 prompts of 40 waiting: 50 of the 52 tokens left beside 12 decodes
     assert allowances == sorted(allowances, reverse=True)  # a share of a shrinking backlog
     assert allowances[1] < 50 and allowances[-1] <= 8  # down to the cap as the backlog drains
     drain(s)
@@ -197,7 +197,7 @@ def test_a_backlog_of_prompts_lifts_the_cap_to_a_share_of_itself() -> None:
 def test_the_cap_holds_only_where_more_streams_decode_than_prompts_wait() -> None:
     """Prompt work computed now stalls every decoder; put off, it delays every prompt waiting. The second
     half of a wave (fewer decoders than prompts) takes the budget and ends in one step; once decoders
-    outnumber the prompts, the cap holds."""
+    outnumber the prompts more than twice, the cap holds."""
     s = make_scheduler(num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=64,
                        long_prefill_token_threshold=64, prefill_tokens_beside_decodes=8)
     first = [make_request(f"a{i}", 8, max_tokens=40) for i in range(3)]
@@ -217,6 +217,30 @@ def test_the_cap_holds_only_where_more_streams_decode_than_prompts_wait() -> Non
     assert sum(x.num_new_tokens for x in sched.scheduled if x.request in late) == 8
     drain(s)
     for r in first + wave + late:
+        assert r.output_token_ids == [token_for(r, k) for k in range(40)]
+
+
+def test_the_rest_of_a_wave_takes_the_budget_while_prompts_are_at_least_half_the_decoders() -> None:
+    """A wave of 8 prompts meets an 80-token budget: 5 start, and the 3 left (48 tokens) are computed in the
+    next step whole, beside the 5 new decoders, not cut by the cap into more steps (each a group of streams
+    that will later be replaced beside the others' decodes). 2 prompts arriving beside 8 decoders are capped."""
+    s = make_scheduler(num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=80,
+                       long_prefill_token_threshold=80, prefill_tokens_beside_decodes=8)
+    wave = [make_request(f"w{i}", 16, max_tokens=40) for i in range(8)]
+    for r in wave:
+        s.add_request(r)
+    run_step(s)
+    assert sum(r.num_output_tokens == 1 for r in wave) == 5
+    sched = run_step(s)  # 5 decoders, 3 prompts: no cap
+    assert sum(x.num_new_tokens for x in sched.scheduled if x.request in wave[5:]) == 48
+    assert all(r.num_output_tokens >= 1 for r in wave)
+    late = [make_request(f"b{i}", 16, max_tokens=40, arrival=1.0) for i in range(2)]
+    for r in late:
+        s.add_request(r)
+    sched = run_step(s)  # 8 decoders, 2 prompts: capped
+    assert sum(x.num_new_tokens for x in sched.scheduled if x.request in late) == 8
+    drain(s)
+    for r in wave + late:
         assert r.output_token_ids == [token_for(r, k) for k in range(40)]
 
 
