@@ -253,11 +253,13 @@ class NodeHealthMonitor:
 
     def _itl_scores(self) -> dict[str, float]:
         cfg = self.config
+        judged = {name: n for name, n in self._nodes.items()
+                  if n.status is not NodeStatus.DEAD and len(n.itl) >= cfg.min_samples}
+        if len(judged) < 2:  # a node is scored against its peers: alone, its window's samples say nothing
+            return {}
         # node -> bucket -> (median batch, median itl, count)
         points: dict[str, dict[int, tuple[float, float, int]]] = {}
-        for name, n in self._nodes.items():
-            if n.status is NodeStatus.DEAD or len(n.itl) < cfg.min_samples:
-                continue
+        for name, n in judged.items():
             groups: dict[int, list[tuple[float, int]]] = {}
             for _, itl, batch in n.itl:
                 groups.setdefault(_batch_bucket(batch), []).append((itl, batch))
@@ -282,10 +284,12 @@ class NodeHealthMonitor:
 
     def _ttft_scores(self) -> dict[str, float]:
         cfg = self.config
+        judged = {name: n for name, n in self._nodes.items()
+                  if n.status is not NodeStatus.DEAD and len(n.ttft) >= cfg.min_ttft_samples}
+        if len(judged) < 2:  # as for the ITL: no peers, no score
+            return {}
         medians: dict[str, dict[str, tuple[float, int]]] = {}
-        for name, n in self._nodes.items():
-            if n.status is NodeStatus.DEAD or len(n.ttft) < cfg.min_ttft_samples:
-                continue
+        for name, n in judged.items():
             groups: dict[str, list[float]] = {}
             for _, ttft, prompt in n.ttft:
                 groups.setdefault(prompt_bucket(prompt), []).append(ttft)
