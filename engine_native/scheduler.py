@@ -259,7 +259,7 @@ class Scheduler:
         (16 decoders that have just started and 16 prompts left, or 17 and 15, or 20 and 12), and the wave
         ends in one step instead of being spread over several. A wave split once more runs, finishes and
         is replaced in one more group, and every replacement group's prompts stall the other groups'
-        decodes: at 32 streams of 128/128 four groups put ~100 of 8,128 gaps at ~0.3-0.65 s, past the
+        decodes: at 32 streams of 128/128 four groups put ~100 of 8,128 gaps at 0.3-1.3 s, past the
         1% of the ITL p99 (310-331 ms), three keep them under it (64-94 ms; docs/engine.md). Where the
         decoders outnumber the prompts only 1-2x the stall the cap spares is smaller than the group it
         adds. The cap also yields to the

@@ -46,7 +46,7 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("bindings.cpp", "quant_linear.cpp", "paged_attention.cpp", "fused_decode.cpp",
                                  "elementwise.cpp", "sample.cpp", "amx_linear.cpp",
                                  "prefill_attention.cpp", "quant_panel.cpp", "bf16_panel.cpp", "panel_decode.cpp")]
-_HEADERS = [_HERE / "simd.h", _HERE / "rowops.h", _HERE / "amx.h", _HERE / "balance.h"]
+_HEADERS = [_HERE / "simd.h", _HERE / "rowops.h", _HERE / "amx.h", _HERE / "balance.h", _HERE / "decode_step.h"]
 
 
 def _cpu_flags() -> str:

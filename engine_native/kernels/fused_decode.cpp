@@ -16,6 +16,7 @@
 #include <cmath>
 #include <vector>
 
+#include "decode_step.h"
 #include "rowops.h"
 #include "simd.h"
 
@@ -94,31 +95,11 @@ class FusedDecoder {
                         torch::Tensor context_lens) {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == torch::kFloat32, "x: fp32 [M, hidden]");
     const int64_t m = x.size(0);
-    TORCH_CHECK(positions.numel() == m && slots.numel() == m && context_lens.numel() == m &&
-                    block_tables.size(0) == m,
-                "one position, slot, length and table per row");
-    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slots.scalar_type() == torch::kInt64 &&
-                    context_lens.scalar_type() == torch::kInt64 && block_tables.scalar_type() == torch::kInt64,
-                "int64 positions, slots, lengths and tables");
-    positions = positions.contiguous();
-    slots = slots.contiguous();
-    context_lens = context_lens.contiguous();
-    block_tables = block_tables.contiguous();
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    const int64_t* lens = context_lens.data_ptr<int64_t>();
-    const int64_t* tables = block_tables.data_ptr<int64_t>();
-    const int64_t max_blocks = block_tables.size(1);
     const int64_t num_blocks = k_cache_[0].size(0), bs = k_cache_[0].size(1);
+    const DecodeStep step = check_decode_step(m, positions, slots, block_tables, context_lens, cos_.size(0), num_blocks, bs);
+    const int64_t *pos = step.pos, *slot = step.slot, *lens = step.lens, *tables = step.tables;
+    const int64_t max_blocks = step.max_blocks;
     const int64_t kv_size = kv_heads_ * d_, q_size = heads_ * d_, qkv_n = q_size + 2 * kv_size;
-    for (int64_t i = 0; i < m; ++i) {
-      TORCH_CHECK(pos[i] >= 0 && pos[i] < cos_.size(0), "position beyond the rotary table");
-      TORCH_CHECK(slot[i] >= 0 && slot[i] < num_blocks * bs, "slot out of the KV pool");
-      TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * bs, "context length out of its block table");
-      for (int64_t j = 0; j < (lens[i] + bs - 1) / bs; ++j)
-        TORCH_CHECK(tables[i * max_blocks + j] >= 0 && tables[i * max_blocks + j] < num_blocks,
-                    "block id out of the pool");
-    }
 
     torch::Tensor residual = x.contiguous().clone();
     float* xr = residual.data_ptr<float>();
