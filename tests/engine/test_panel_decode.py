@@ -57,7 +57,7 @@ def test_the_bundled_models_decode_step_in_one_call_is_the_layer_paths_bit_for_b
 
 
 def test_a_model_with_a_qkv_bias_and_decodes_at_many_contexts_is_the_layer_paths_bit_for_bit(tmp_path: Path) -> None:
-    """A tiny random Qwen2 (q/k/v biases) in bf16: 9 sequences of 3-40 tokens, then 6 decode steps, each
+    """A tiny random Qwen2 (q/k/v biases) in bf16: 9 sequences of 3-43 tokens, then 6 decode steps, each
     in one call and layer by layer: the same logits every step, the cache the decoder wrote read back by it."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
