@@ -119,8 +119,7 @@ def test_an_engines_greedy_answers_are_the_same_with_and_without_the_decoder() -
 
 def test_bad_arguments_are_refused_not_misread() -> None:
     kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("Sluice's CPU kernels are not built here")
+    assert kernels is not None  # built by make setup on every AVX2 host, CI's included
     hidden, heads, kv_heads, d, inter = 64, 4, 2, 16, 96
 
     def panel(n: int, k: int) -> torch.Tensor:  # an [n, k] weight's panels, all zeros
