@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -218,22 +219,24 @@ class DecoderLayer(nn.Module):
 
     def _linear(
         self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, keep_dtype: bool = False,
-        pure_decode: bool = False,
+        pure_decode: bool = False, step_rows: int | None = None,
     ) -> torch.Tensor:
         """x @ W^T in float32, or with `keep_dtype` (only where `_bf16_io`) as the dense GEMM returns it;
-        `pure_decode`: a step of decodes only, which may take the AMX or the bf16 panel kernel."""
+        `pure_decode`: a step of decodes only, which may take the AMX or the bf16 panel kernel. The kernel is
+        the one for a step of `step_rows` tokens (default: x's rows), whatever share of them x holds."""
+        rows = x.shape[0] if step_rows is None else step_rows
         blocks = self.quantized.get(name)
-        if blocks is not None and x.shape[0] <= self.quantized_max_rows:
+        if blocks is not None and rows <= self.quantized_max_rows:
             return quant_linear(x, blocks, bias)
         panel = self.panel.get(name)
-        if panel is not None and x.shape[0] <= self.panel_max_rows:
+        if panel is not None and rows <= self.panel_max_rows:
             return panel_linear(x, panel, bias)
         amx_blocks = self.amx.get(name)
-        if amx_blocks is not None and pure_decode and x.shape[0] <= self.amx_max_rows:
+        if amx_blocks is not None and pure_decode and rows <= self.amx_max_rows:
             out = amx_linear(x, amx_blocks)
             return out if keep_dtype else out.float()
         bf16_panel = self.bf16_panels.get(name)
-        if bf16_panel is not None and pure_decode and x.shape[0] <= self.bf16_panel_max_rows:
+        if bf16_panel is not None and pure_decode and rows <= self.bf16_panel_max_rows:
             bias_fp32 = self.qkv_bias_fp32 if bias is not None else None  # only q/k/v has a bias
             return bf16_panel_linear(x, bf16_panel, bias_fp32, out_bf16=keep_dtype)
         packed = self.packed.get(name)
@@ -275,8 +278,12 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         plan: AttentionPlan | StepAttention,
         pure_decode: bool = False,
+        rows_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x: the float32 residual stream [T, hidden]; `pure_decode`: a step of decodes only (`_linear`)."""
+        """x: the float32 residual stream [T, hidden]; `pure_decode`: a step of decodes only (`_linear`).
+        `rows_out`: only these rows of the output are wanted (the last layer: the rows whose logits the step
+        samples). Every row's K and V are still written; the projection and the MLP after the attention run on
+        those rows alone, through the kernels a step of T rows takes: the rows' values are the same bits."""
         cfg = self.config
         t = x.shape[0]
         kernels = cpu_kernels() if self.rowwise_kernels and cache_in_kernels(k_cache) else None
@@ -290,12 +297,13 @@ class DecoderLayer(nn.Module):
                 attn = paged_attention(q, k_cache, v_cache, plan)
             else:  # another backend (model/attention_backends.py)
                 attn = plan.attend(q, k_cache, v_cache)
-            o = self._linear(attn.reshape(t, self.q_size), "o_weight", keep_dtype=bf16, pure_decode=pure_decode)
-            h = kernels.add_rms_norm(x, o, self.post_norm, cfg.rms_norm_eps, out_bf16=bf16)
-            gate_up = self._linear(h, "gate_up_weight", keep_dtype=bf16, pure_decode=pure_decode)
-            act = kernels.silu_mul(gate_up, out_bf16=bf16)
-            # fp32 += bf16 widens exactly
-            return x.add_(self._linear(act, "down_weight", keep_dtype=bf16, pure_decode=pure_decode))
+            attn = attn.reshape(t, self.q_size)
+            if rows_out is not None:
+                x, attn = x[rows_out], attn[rows_out]
+            mlp = partial(self._linear, keep_dtype=bf16, pure_decode=pure_decode, step_rows=t)
+            h = kernels.add_rms_norm(x, mlp(attn, "o_weight"), self.post_norm, cfg.rms_norm_eps, out_bf16=bf16)
+            act = kernels.silu_mul(mlp(h, "gate_up_weight"), out_bf16=bf16)
+            return x.add_(mlp(act, "down_weight"))  # fp32 += bf16 widens exactly
         h = F.rms_norm(x, (x.shape[-1],), self.input_norm, cfg.rms_norm_eps)
         qkv = self._linear(h, "qkv_weight", self.qkv_bias, pure_decode=pure_decode)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -306,10 +314,14 @@ class DecoderLayer(nn.Module):
             attn = paged_attention(q, k_cache, v_cache, plan)
         else:  # another backend (model/attention_backends.py)
             attn = plan.attend(q, k_cache, v_cache)
-        x = x + self._linear(attn.reshape(t, self.q_size), "o_weight", pure_decode=pure_decode)
+        attn = attn.reshape(t, self.q_size)
+        if rows_out is not None:
+            x, attn = x[rows_out], attn[rows_out]
+        mlp = partial(self._linear, pure_decode=pure_decode, step_rows=t)
+        x = x + mlp(attn, "o_weight")
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, cfg.rms_norm_eps)
-        gate, up = self._linear(h, "gate_up_weight", pure_decode=pure_decode).chunk(2, dim=-1)
-        return x + self._linear(F.silu(gate) * up, "down_weight", pure_decode=pure_decode)
+        gate, up = mlp(h, "gate_up_weight").chunk(2, dim=-1)
+        return x + mlp(F.silu(gate) * up, "down_weight")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -526,6 +538,7 @@ class LlamaForCausalLM(nn.Module):
         if panel_decoder is not None:  # the same layers in one call, bit for bit
             context_lens = torch.tensor(batch.context_lens, dtype=torch.int64)
             x = panel_decoder.forward(x, batch.positions, batch.slot_mapping, batch.block_tables, context_lens)
+            h = x[batch.logits_indices]
         else:
             plan: AttentionPlan | StepAttention
             if self.attention_backend is not None:
@@ -535,11 +548,14 @@ class LlamaForCausalLM(nn.Module):
                     batch, decode_kernel=self.use_decode_kernel(kv_cache), prefill_dtype=self.prefill_attention_dtype,
                     prefill_kernel=self.prefill_attention_kernel_on and prefill_kernel_fits(kv_cache.k[0]))
             cos, sin = self.rope.lookup(batch.positions)
+            # Only the rows whose logits are wanted leave the last layer: a step of prompts samples one row a
+            # sequence, and the rest of that layer's projection and MLP (84% of its multiplies) is never read.
+            last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, batch.slot_mapping, kv_cache.k[i], kv_cache.v[i], plan,
-                          pure_decode=pure_decode)
+                          pure_decode=pure_decode, rows_out=batch.logits_indices if i == last else None)
+            h = x
         # Norm and lm_head only on the rows whose logits are wanted: the vocab GEMM dominates.
-        h = x[batch.logits_indices]
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.config.rms_norm_eps)
         if self.lm_head_quantized is not None and h.shape[0] <= self.quantized_max_rows:
             return quant_linear(h, self.lm_head_quantized)

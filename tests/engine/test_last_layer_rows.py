@@ -1,0 +1,50 @@
+"""The last layer's projection and MLP run only on the rows whose logits a step wants (model/llama.py,
+`DecoderLayer.forward`'s `rows_out`). Those rows go through the kernels a step of all its rows takes, and each
+of those kernels computes a row from that row alone: the logits are the whole layer's, bit for bit, and every
+row's K and V are still written."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import torch
+
+from engine_native.model.bundled import bundled_model_path
+from engine_native.model.llama import LlamaForCausalLM
+from engine_native.model.loader import load_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_model_support import PagedSequences
+
+# Prompts of 1 to 200 tokens, and a step mixing a prompt chunk with decodes.
+PROMPTS = [list(range(100 + 3 * i, 100 + 3 * i + n)) for i, n in enumerate([1, 7, 33, 200, 64])]
+
+
+def _steps(model: LlamaForCausalLM, cfg, last_only: bool) -> tuple[list[torch.Tensor], PagedSequences]:  # type: ignore[no-untyped-def]
+    seqs = PagedSequences(cfg, num_blocks=128, block_size=16, dtype=torch.bfloat16, seed=7)
+    first = model.forward(seqs.step(list(enumerate(PROMPTS[:4])), last_only=last_only), seqs.cache)
+    mixed = model.forward(seqs.step([(0, [500]), (1, [501]), (4, PROMPTS[4])], last_only=last_only), seqs.cache)
+    return [first, mixed], seqs
+
+
+def test_the_sampled_rows_logits_and_the_cache_are_the_whole_layers() -> None:
+    loaded = load_model(bundled_model_path(), dtype=torch.bfloat16, progress=False)
+    model = loaded.model
+    assert isinstance(model, LlamaForCausalLM)
+    model.enable_quantized(2)
+    model.pack_dense(bf16_panel_max_rows=64)
+    # Every row wanted: the last layer runs on all of them (the reference). Last rows only: on those alone.
+    every, every_seqs = _steps(model, loaded.config, last_only=False)
+    last, last_seqs = _steps(model, loaded.config, last_only=True)
+    first_rows = torch.tensor([len(p) for p in PROMPTS[:4]]).cumsum(0) - 1
+    assert last[0].shape[0] == 4 and every[0].shape[0] == sum(len(p) for p in PROMPTS[:4])
+    assert torch.equal(last[0], every[0][first_rows])
+    mixed_rows = torch.tensor([0, 1, 2 + len(PROMPTS[4]) - 1])
+    assert torch.equal(last[1], every[1][mixed_rows])
+    for layer in range(loaded.config.num_layers):  # the last layer's K and V of every row, too
+        assert torch.equal(last_seqs.cache.k[layer], every_seqs.cache.k[layer])
+        assert torch.equal(last_seqs.cache.v[layer], every_seqs.cache.v[layer])
