@@ -52,10 +52,10 @@ class ParallelDecoderLayer(DecoderLayer):
 
     def _linear(
         self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, keep_dtype: bool = False,
-        pure_decode: bool = False,
+        pure_decode: bool = False, step_rows: int | None = None,
     ) -> torch.Tensor:
-        # `pure_decode` changes nothing here: the TP shards keep no quantized blocks or panels (enable_quantized
-        # and pack_dense are off).
+        # `pure_decode` and `step_rows` change nothing here: the TP shards keep no quantized blocks or panels
+        # (enable_quantized and pack_dense are off), so every step takes the dense GEMM.
         if name in _ROW_PARALLEL and self.tp_group is not None:
             out = super()._linear(x, name, bias)  # the partial sums are added in fp32, never in bf16
             self.clock.all_reduce(out, self.tp_group)
