@@ -1,7 +1,8 @@
 """The last layer's projection and MLP run only on the rows whose logits a step wants (model/llama.py,
-`DecoderLayer.forward`'s `rows_out`). Those rows go through the kernels a step of all its rows takes, and each
-of those kernels computes a row from that row alone: the logits are the whole layer's, bit for bit, and every
-row's K and V are still written."""
+`DecoderLayer.forward`'s `rows_out`). Those rows go through the kernels a step of all its rows takes, and every
+row's K and V are still written. Where oneDNN computes a row from that row alone, whatever the rows beside it
+(the AVX-512 BF16 hosts without AMX measured), the logits are the whole layer's bit for bit; with AMX oneDNN
+picks its kernel by the number of rows (docs/engine.md, Numerics), and they agree to the bf16 GEMM's rounding."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch
 
+from engine_native.config import ModelConfig
 from engine_native.model.bundled import bundled_model_path
 from engine_native.model.llama import LlamaForCausalLM
 from engine_native.model.loader import load_model
+from engine_native.model.quant import amx_available
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_model_support import PagedSequences
@@ -24,7 +27,7 @@ from test_model_support import PagedSequences
 PROMPTS = [list(range(100 + 3 * i, 100 + 3 * i + n)) for i, n in enumerate([1, 7, 33, 200, 64])]
 
 
-def _steps(model: LlamaForCausalLM, cfg, last_only: bool) -> tuple[list[torch.Tensor], PagedSequences]:  # type: ignore[no-untyped-def]
+def _steps(model: LlamaForCausalLM, cfg: ModelConfig, last_only: bool) -> tuple[list[torch.Tensor], PagedSequences]:
     seqs = PagedSequences(cfg, num_blocks=128, block_size=16, dtype=torch.bfloat16, seed=7)
     first = model.forward(seqs.step(list(enumerate(PROMPTS[:4])), last_only=last_only), seqs.cache)
     mixed = model.forward(seqs.step([(0, [500]), (1, [501]), (4, PROMPTS[4])], last_only=last_only), seqs.cache)
@@ -42,9 +45,12 @@ def test_the_sampled_rows_logits_and_the_cache_are_the_whole_layers() -> None:
     last, last_seqs = _steps(model, loaded.config, last_only=True)
     first_rows = torch.tensor([len(p) for p in PROMPTS[:4]]).cumsum(0) - 1
     assert last[0].shape[0] == 4 and every[0].shape[0] == sum(len(p) for p in PROMPTS[:4])
-    assert torch.equal(last[0], every[0][first_rows])
     mixed_rows = torch.tensor([0, 1, 2 + len(PROMPTS[4]) - 1])
-    assert torch.equal(last[1], every[1][mixed_rows])
+    for wanted, whole in ((last[0], every[0][first_rows]), (last[1], every[1][mixed_rows])):
+        if amx_available():
+            torch.testing.assert_close(wanted, whole, rtol=0.02, atol=0.05)
+        else:
+            assert torch.equal(wanted, whole)
     for layer in range(loaded.config.num_layers):  # the last layer's K and V of every row, too
         assert torch.equal(last_seqs.cache.k[layer], every_seqs.cache.k[layer])
         assert torch.equal(last_seqs.cache.v[layer], every_seqs.cache.v[layer])
