@@ -301,10 +301,10 @@ class DecoderLayer(nn.Module):
             attn = attn.reshape(t, self.q_size)
             if rows_out is not None:
                 x, attn = x[rows_out], attn[rows_out]
-            mlp = partial(self._linear, keep_dtype=bf16, pure_decode=pure_decode, step_rows=t)
-            h = kernels.add_rms_norm(x, mlp(attn, "o_weight"), self.post_norm, cfg.rms_norm_eps, out_bf16=bf16)
-            act = kernels.silu_mul(mlp(h, "gate_up_weight"), out_bf16=bf16)
-            return x.add_(mlp(act, "down_weight"))  # fp32 += bf16 widens exactly
+            linear = partial(self._linear, keep_dtype=bf16, pure_decode=pure_decode, step_rows=t)
+            h = kernels.add_rms_norm(x, linear(attn, "o_weight"), self.post_norm, cfg.rms_norm_eps, out_bf16=bf16)
+            act = kernels.silu_mul(linear(h, "gate_up_weight"), out_bf16=bf16)
+            return x.add_(linear(act, "down_weight"))  # fp32 += bf16 widens exactly
         h = F.rms_norm(x, (x.shape[-1],), self.input_norm, cfg.rms_norm_eps)
         qkv = self._linear(h, "qkv_weight", self.qkv_bias, pure_decode=pure_decode)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -318,11 +318,11 @@ class DecoderLayer(nn.Module):
         attn = attn.reshape(t, self.q_size)
         if rows_out is not None:
             x, attn = x[rows_out], attn[rows_out]
-        mlp = partial(self._linear, pure_decode=pure_decode, step_rows=t)
-        x = x + mlp(attn, "o_weight")
+        linear = partial(self._linear, pure_decode=pure_decode, step_rows=t)
+        x = x + linear(attn, "o_weight")
         h = F.rms_norm(x, (x.shape[-1],), self.post_norm, cfg.rms_norm_eps)
-        gate, up = mlp(h, "gate_up_weight").chunk(2, dim=-1)
-        return x + mlp(F.silu(gate) * up, "down_weight")
+        gate, up = linear(h, "gate_up_weight").chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, "down_weight")
 
 
 class LlamaForCausalLM(nn.Module):
