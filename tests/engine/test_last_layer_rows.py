@@ -15,13 +15,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
 
 from engine_native.config import ModelConfig
-from engine_native.model.bundled import bundled_model_path
 from engine_native.model.llama import LlamaForCausalLM
-from engine_native.model.loader import load_model
 from engine_native.model.quant import amx_available
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_model_support import PagedSequences
+from test_model_support import PagedSequences, bundled_as_the_engine_lays_it_out
 
 # Prompts of 1 to 200 tokens, and a step mixing a prompt chunk with decodes.
 PROMPTS = [list(range(100 + 3 * i, 100 + 3 * i + n)) for i, n in enumerate([1, 7, 33, 200, 64])]
@@ -35,11 +33,9 @@ def _steps(model: LlamaForCausalLM, cfg: ModelConfig, last_only: bool) -> tuple[
 
 
 def test_the_sampled_rows_logits_and_the_cache_are_the_whole_layers() -> None:
-    loaded = load_model(bundled_model_path(), dtype=torch.bfloat16, progress=False)
+    loaded = bundled_as_the_engine_lays_it_out()
     model = loaded.model
     assert isinstance(model, LlamaForCausalLM)
-    model.enable_quantized(2)
-    model.pack_dense(bf16_panel_max_rows=64)
     # Every row wanted: the last layer runs on all of them (the reference). Last rows only: on those alone.
     every, every_seqs = _steps(model, loaded.config, last_only=False)
     last, last_seqs = _steps(model, loaded.config, last_only=True)

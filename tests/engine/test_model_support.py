@@ -13,6 +13,9 @@ import torch
 
 from engine_native.config import ModelConfig
 from engine_native.forward_batch import ForwardBatch, KVCache
+from engine_native.model.base import LoadedModel
+from engine_native.model.bundled import bundled_model_path
+from engine_native.model.loader import load_model
 
 
 class PagedSequences:
@@ -80,3 +83,13 @@ def prompts_then_a_decode(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> l
     prefill = model.forward(seqs.step([(i, p) for i, p in enumerate(prompts)]), seqs.cache)
     decode = model.forward(seqs.step([(i, [300 + i]) for i in range(len(prompts))]), seqs.cache)
     return [prefill, decode]
+
+
+def bundled_as_the_engine_lays_it_out() -> LoadedModel:
+    """The bundled model in bf16, laid out as an engine with defaults lays it out on this CPU: the quantized blocks for
+    steps of up to 2 rows, the dense matrices packed for oneDNN, the bf16 panels for decode steps of up to 64 (where
+    the kernel runs)."""
+    loaded = load_model(bundled_model_path(), dtype=torch.bfloat16, progress=False)
+    loaded.model.enable_quantized(2)
+    loaded.model.pack_dense(bf16_panel_max_rows=64)
+    return loaded

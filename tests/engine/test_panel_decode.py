@@ -25,7 +25,7 @@ from engine_native.model.quant import amx_available
 from engine_native.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_model_support import PagedSequences, prompts_then_a_decode
+from test_model_support import PagedSequences, bundled_as_the_engine_lays_it_out, prompts_then_a_decode
 
 # Where the CPU has AMX its own kernels take the decode steps and the engine keeps no panels.
 panels_on_here = bf16_panel_available() and not amx_available()
@@ -43,11 +43,9 @@ def _layered_then_in_one_call(
 
 
 def test_the_bundled_models_decode_step_in_one_call_is_the_layer_paths_bit_for_bit() -> None:
-    loaded = load_model(bundled_model_path(), dtype=torch.bfloat16, progress=False)
+    loaded = bundled_as_the_engine_lays_it_out()
     model = loaded.model
     assert isinstance(model, LlamaForCausalLM)
-    model.enable_quantized(2)
-    model.pack_dense(bf16_panel_max_rows=64)
     layered, in_one_call = _layered_then_in_one_call(
         model, lambda: prompts_then_a_decode(model, loaded.config, torch.bfloat16))
     # Where no panels are made (no AVX-512 BF16, or AMX) the layers take the step both times.
