@@ -284,8 +284,8 @@ class DecoderLayer(nn.Module):
         `rows_out`: only these rows of the output are wanted (the last layer: the rows whose logits the step
         samples). Every row's K and V are still written; the projection and the MLP after the attention run on
         those rows alone, through the kernels a step of T rows takes: the same bits wherever oneDNN computes a
-        row whatever the rows beside it (AVX-512 BF16 without AMX), elsewhere to its rounding (docs/engine.md,
-        Numerics)."""
+        row whatever the rows beside it (bf16 weights on AVX-512 BF16 without AMX), elsewhere to its rounding
+        (docs/engine.md, Numerics)."""
         cfg = self.config
         t = x.shape[0]
         kernels = cpu_kernels() if self.rowwise_kernels and cache_in_kernels(k_cache) else None
