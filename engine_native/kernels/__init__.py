@@ -13,7 +13,7 @@ What each function computes is written at the top of its source file:
     prefill_attention.cpp  prefill_attention_kernel: prefill chunks' attention over a bf16 cache, fp32-accurate (AMX, or AVX-512 FMAs)
     quant_panel.cpp      q4_1_panel_linear, q8_0_panel_linear: x @ W^T for 9 to a few hundred rows, AVX-512, fp32 hosts
     bf16_panel.cpp       bf16_panel_linear: x @ W^T for decode steps of 9 to a few hundred rows, dense bf16 weights, AVX-512 BF16
-    panel_decode.cpp     PanelDecoder: a pure-decode step's layers in one call where the bf16 panels take its GEMMs
+    panel_decode.cpp     DecodeLayers: a pure-decode step's layers in one call where the bf16 panels or AMX take its GEMMs
 
 The build goes through torch.utils.cpp_extension (ninja, the host's g++) into
 ~/.cache/sluice/kernels/<key>, where the key covers the source, torch's version and this CPU's

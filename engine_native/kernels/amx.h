@@ -35,7 +35,10 @@ inline void configure_tiles() {
     cfg.colsb[t] = 64;
     cfg.rows[t] = kTileRows;
   }
-  _tile_loadconfig(&cfg);
+  // As an asm operand, not through _tile_loadconfig: GCC 12 does not count that builtin as reading cfg, and
+  // inlined into amx_decode_attention.cpp's worker it dropped the stores above as dead (ldtilecfg then
+  // faulted on a half-zeroed configuration).
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 #endif

@@ -189,6 +189,18 @@ torch::Tensor amx_q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d
 }
 
 }  // namespace
+
+// The raw entry panel_decode.cpp's DecodeLayers multiplies with: bf16 out, rounded as amx_q4_1_linear's.
+void amx_q4_1_matmul_bf16(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qs, const float* dm, int64_t n,
+                          uint16_t* out) {
+#ifdef SLUICE_HAVE_AMX
+  amx_q4_1_matmul(x, m, k, qs, dm, n, reinterpret_cast<at::BFloat16*>(out));
+#else
+  (void)x, (void)m, (void)k, (void)qs, (void)dm, (void)n, (void)out;
+  TORCH_CHECK(false, "AMX-BF16 is not available on this CPU or build");
+#endif
+}
+
 }  // namespace sluice
 
 void register_amx_linear(pybind11::module& m) {

@@ -97,6 +97,11 @@ void paged_decode_bf16(const float* q, int64_t b, int64_t h, int64_t d, const ui
                        int64_t max_blocks, const int64_t* lens, float scale, float* out);
 #endif
 
+// out [m, n] = x [m, k] (bf16 bits) @ W^T, W in Q4_1 blocks (N % 32 == 0), through AMX, into bf16 bits rounded to
+// nearest even (amx_linear.cpp); refuses where the build or the OS gives no AMX.
+void amx_q4_1_matmul_bf16(const uint16_t* x, int64_t m, int64_t k, const uint8_t* qs, const float* dm, int64_t n,
+                          uint16_t* out);
+
 #if defined(__AVX512BF16__)
 // out [m, n] = x [m, k] (bf16 bits) @ W^T (+ bias [n] fp32 or null), W given as its bf16 panels (see
 // bf16_panel.cpp), into fp32 or bf16 bits (rounded to nearest even); the panels split across ATen's threads.

@@ -247,21 +247,23 @@ class DecoderLayer(nn.Module):
         )
         return out if keep_dtype else out.float()
 
-    def decodes_on_bf16_panels(self, rows: int) -> bool:
-        """Whether a pure-decode step of `rows` sequences takes all four matrices to the bf16 panels with bf16 in
-        and out, the row-wise kernels between (`_linear`'s choice for each): what kernels/panel_decode.cpp runs."""
-        return (
-            self.rowwise_kernels
-            and self._bf16_io(rows)
-            and rows <= self.bf16_panel_max_rows
-            and all(
-                name in self.bf16_panels
-                and not (name in self.quantized and rows <= self.quantized_max_rows)
-                and not (name in self.panel and rows <= self.panel_max_rows)
-                and not (name in self.amx and rows <= self.amx_max_rows)
-                for name in _DENSE
-            )
-        )
+    def decode_gemm(self, rows: int) -> str | None:
+        """The one kernel that takes all four matrices of a pure-decode step of `rows` sequences with bf16 in and
+        out, the row-wise kernels between (`_linear`'s choice for each): "amx", "bf16_panel" or None where the
+        matrices go to different kernels. What kernels/panel_decode.cpp's DecodeLayers runs."""
+        if not (self.rowwise_kernels and self._bf16_io(rows)):
+            return None
+        for name in _DENSE:
+            if (name in self.quantized and rows <= self.quantized_max_rows) or (
+                    name in self.panel and rows <= self.panel_max_rows):
+                return None
+        if all(name in self.amx for name in _DENSE) and rows <= self.amx_max_rows:
+            return "amx"
+        if rows <= self.amx_max_rows and any(name in self.amx for name in _DENSE):
+            return None  # some matrices through AMX, some not
+        if all(name in self.bf16_panels for name in _DENSE) and rows <= self.bf16_panel_max_rows:
+            return "bf16_panel"
+        return None
 
     def _bf16_io(self, rows: int) -> bool:
         """A step of `rows` tokens multiplies by all four dense matrices in bf16: the row-wise kernels
@@ -358,11 +360,11 @@ class LlamaForCausalLM(nn.Module):
         self.quantized_max_rows = 0
         self._fused: Any | None = None  # kernels.FusedDecoder, built at the first step that can use it
         self._fused_key: int | None = None
-        # kernels.PanelDecoder for pure-decode steps on the bf16 panels (`_panel_decoder_for`), likewise; off: the
-        # same steps layer by layer (the same bits, tests/engine/test_panel_decode.py).
-        self.panel_decoder_on = True
-        self._panel_decoder: Any | None = None
-        self._panel_decoder_key: int | None = None
+        # kernels.DecodeLayers for pure-decode steps whose four matrices one kernel takes (`_layer_decoder_for`),
+        # likewise; off: the same steps layer by layer (the same bits, tests/engine/test_panel_decode.py).
+        self.layer_decoder_on = True
+        self._layer_decoder: Any | None = None
+        self._layer_decoder_key: tuple[int, str] | None = None
         # None: model/attention.py's CPU path (and the fused decoder); else the backend chosen at start.
         self.attention_backend: AttentionBackend | None = None
         self.prefill_attention_dtype = torch.float32
@@ -468,34 +470,39 @@ class LlamaForCausalLM(nn.Module):
             self.rope.cos, self.rope.sin,
         )
 
-    def _panel_decoder_for(self, batch: ForwardBatch, kv_cache: KVCache) -> Any | None:
-        """The C++ loop over the layers (kernels/panel_decode.cpp) when this step would take every layer's
-        matrices to the bf16 panels: a pure-decode step of more than `quantized_max_rows` sequences, up to
-        `bf16_panel_max_rows`, attending through Sluice's kernel. Built once per KV cache."""
+    def _layer_decoder_for(self, batch: ForwardBatch, kv_cache: KVCache) -> Any | None:
+        """The C++ loop over the layers (kernels/panel_decode.cpp) when one kernel would take every layer's
+        matrices in this step (`DecoderLayer.decode_gemm`: the AMX one or the bf16 panels), a pure-decode step
+        attending through Sluice's kernel. Built once per KV cache and kernel."""
         rows = batch.num_tokens
-        if not (self.panel_decoder_on and batch.is_pure_decode and rows <= self.bf16_panel_max_rows
-                and self.use_decode_kernel(kv_cache)):
+        if not (self.layer_decoder_on and batch.is_pure_decode and self.use_decode_kernel(kv_cache)):
             return None
         # Asked each step (~50 us for 30 layers): the layers' bounds are plain attributes that may change.
-        if not all(isinstance(layer, DecoderLayer) and layer.decodes_on_bf16_panels(rows) for layer in self.layers):
+        gemms = {layer.decode_gemm(rows) if isinstance(layer, DecoderLayer) else None for layer in self.layers}
+        gemm = gemms.pop() if len(gemms) == 1 else None
+        if gemm is None:
             return None
-        key = id(kv_cache.k[0])
-        if self._panel_decoder_key != key:
-            self._panel_decoder = self._build_panel_decoder(kv_cache)
-            self._panel_decoder_key = key
-        return self._panel_decoder
+        key = (id(kv_cache.k[0]), gemm)
+        if self._layer_decoder_key != key:
+            self._layer_decoder = self._build_layer_decoder(kv_cache, amx=key[1] == "amx")
+            self._layer_decoder_key = key
+        return self._layer_decoder
 
-    def _build_panel_decoder(self, kv_cache: KVCache) -> Any | None:
+    def _build_layer_decoder(self, kv_cache: KVCache, amx: bool) -> Any | None:
         kernels = cpu_kernels()
         if kernels is None:
             return None
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         cfg = self.config
-        return kernels.PanelDecoder(
+        if amx:
+            weights = [t for layer in layers for name in _DENSE for t in (layer.amx[name].qs, layer.amx[name].dm)]
+            biases: list[torch.Tensor] = []  # the AMX kernel takes no bias: a qkv with one is never in layer.amx
+        else:
+            weights = [layer.bf16_panels[name].data for layer in layers for name in _DENSE]
+            biases = [layer.qkv_bias_fp32 for layer in layers if layer.qkv_bias_fp32 is not None]
+        return kernels.DecodeLayers(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-            [layer.bf16_panels[name].data for layer in layers for name in _DENSE],
-            [layer.qkv_bias_fp32 for layer in layers if layer.qkv_bias_fp32 is not None],
-            [t for layer in layers for t in (layer.input_norm.data, layer.post_norm.data)],
+            amx, weights, biases, [t for layer in layers for t in (layer.input_norm.data, layer.post_norm.data)],
             kv_cache.k, kv_cache.v, self.rope.cos, self.rope.sin,
         )
 
@@ -536,10 +543,10 @@ class LlamaForCausalLM(nn.Module):
         # The AMX and bf16 panel kernels take pure-decode steps only: a prompt is multiplied by oneDNN
         # whatever its length, so its first token does not depend on which kernel a prompt of its size gets.
         pure_decode = batch.is_pure_decode
-        panel_decoder = self._panel_decoder_for(batch, kv_cache) if self.attention_backend is None else None
-        if panel_decoder is not None:  # the same layers in one call, bit for bit
+        layer_decoder = self._layer_decoder_for(batch, kv_cache) if self.attention_backend is None else None
+        if layer_decoder is not None:  # the same layers in one call, bit for bit
             context_lens = torch.tensor(batch.context_lens, dtype=torch.int64)
-            x = panel_decoder.forward(x, batch.positions, batch.slot_mapping, batch.block_tables, context_lens)
+            x = layer_decoder.forward(x, batch.positions, batch.slot_mapping, batch.block_tables, context_lens)
             h = x[batch.logits_indices]
         else:
             plan: AttentionPlan | StepAttention

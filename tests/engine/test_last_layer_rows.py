@@ -38,7 +38,9 @@ def _steps(model: LlamaForCausalLM, cfg: ModelConfig, last_only: bool) -> tuple[
 
 
 def test_the_sampled_rows_logits_and_the_cache_are_the_whole_layers() -> None:
-    loaded = bundled_as_the_engine_lays_it_out()
+    # The blocks for steps of up to 2 rows: the LM head of the 3 and 4 sampled rows then stays on the dense GEMM as
+    # the whole step's does (with an AMX host's 8, those rows' logits would come from the Q8_0 blocks in fp32).
+    loaded = bundled_as_the_engine_lays_it_out(blocks_max_rows=2)
     model = loaded.model
     assert isinstance(model, LlamaForCausalLM)
     # Every row wanted: the last layer runs on all of them (the reference). Last rows only: on those alone.

@@ -14,8 +14,10 @@ import torch
 from engine_native.config import ModelConfig
 from engine_native.forward_batch import ForwardBatch, KVCache
 from engine_native.model.base import LoadedModel
+from engine_native.model.bf16_panel import bf16_panel_available
 from engine_native.model.bundled import bundled_model_path
 from engine_native.model.loader import load_model
+from engine_native.model.quant import amx_available
 
 
 class PagedSequences:
@@ -85,11 +87,14 @@ def prompts_then_a_decode(model: Any, cfg: ModelConfig, dtype: torch.dtype) -> l
     return [prefill, decode]
 
 
-def bundled_as_the_engine_lays_it_out() -> LoadedModel:
+def bundled_as_the_engine_lays_it_out(blocks_max_rows: int | None = None) -> LoadedModel:
     """The bundled model in bf16, laid out as an engine with defaults lays it out on this CPU: the quantized blocks for
-    steps of up to 2 rows, the dense matrices packed for oneDNN, the bf16 panels for decode steps of up to 64 (where
-    the kernel runs)."""
+    steps of up to 2 rows where the bf16 panels take decode steps of up to 64 (AVX-512 BF16 without AMX), else of up
+    to 8 with AMX's kernel for decode steps of up to 64 (where it runs); the dense matrices packed for oneDNN.
+    `blocks_max_rows` sets the blocks' bound instead."""
     loaded = load_model(bundled_model_path(), dtype=torch.bfloat16, progress=False)
-    loaded.model.enable_quantized(2)
+    panels = bf16_panel_available() and not amx_available()
+    default = 2 if panels else 8
+    loaded.model.enable_quantized(default if blocks_max_rows is None else blocks_max_rows, amx_max_rows=64)
     loaded.model.pack_dense(bf16_panel_max_rows=64)
     return loaded
