@@ -358,6 +358,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_bf16_panel: Bf16Panel | None = None
         self.bf16_panel_max_rows = 0
         self.quantized_max_rows = 0
+        self.amx_max_rows = 0  # where the CPU and the weights take AMX's kernel (enable_quantized)
         self._fused: Any | None = None  # kernels.FusedDecoder, built at the first step that can use it
         self._fused_key: int | None = None
         # kernels.DecodeLayers for pure-decode steps whose four matrices one kernel takes (`_layer_decoder_for`),
@@ -394,6 +395,7 @@ class LlamaForCausalLM(nn.Module):
         if panel_max_rows > 0 and lm_head is not None and panel_fits(lm_head):
             self.lm_head_panel = panel_blocks(lm_head)
         self.panel_max_rows = panel_max_rows
+        self.amx_max_rows = amx_max_rows
         self._fused, self._fused_key = None, None
         layers = sum(layer.enable_quantized(max_rows, amx_max_rows, panel_max_rows)  # type: ignore[operator]
                      for layer in self.layers)
@@ -475,7 +477,10 @@ class LlamaForCausalLM(nn.Module):
         matrices in this step (`DecoderLayer.decode_gemm`: the AMX one or the bf16 panels), a pure-decode step
         attending through Sluice's kernel. Built once per KV cache and kernel."""
         rows = batch.num_tokens
-        if not (self.layer_decoder_on and batch.is_pure_decode and self.use_decode_kernel(kv_cache)):
+        # Cheap bounds first: most steps of a few sequences (the blocks') or of prompts end here.
+        if not (self.layer_decoder_on and batch.is_pure_decode
+                and self.quantized_max_rows < rows <= max(self.amx_max_rows, self.bf16_panel_max_rows)
+                and self.use_decode_kernel(kv_cache)):
             return None
         # Asked each step (~50 us for 30 layers): the layers' bounds are plain attributes that may change.
         gemms = {layer.decode_gemm(rows) if isinstance(layer, DecoderLayer) else None for layer in self.layers}
