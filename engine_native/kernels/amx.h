@@ -36,8 +36,8 @@ inline void configure_tiles() {
     cfg.rows[t] = kTileRows;
   }
   // As an asm operand, not through _tile_loadconfig: GCC 12 does not count that builtin as reading cfg, and
-  // inlined into amx_decode_attention.cpp's worker it dropped the stores above as dead (ldtilecfg then
-  // faulted on a half-zeroed configuration).
+  // inlined into the OpenMP worker of an AMX decode attention (tried on 2026-12-05, not kept: docs/engine.md) it
+  // dropped the stores above as dead; ldtilecfg then faulted on a half-zeroed configuration.
   asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 

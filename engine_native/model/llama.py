@@ -225,20 +225,17 @@ class DecoderLayer(nn.Module):
         `pure_decode`: a step of decodes only, which may take the AMX or the bf16 panel kernel. The kernel is
         the one for a step of `step_rows` tokens (default: x's rows), whatever share of them x holds."""
         rows = x.shape[0] if step_rows is None else step_rows
-        blocks = self.quantized.get(name)
-        if blocks is not None and rows <= self.quantized_max_rows:
-            return quant_linear(x, blocks, bias)
-        panel = self.panel.get(name)
-        if panel is not None and rows <= self.panel_max_rows:
-            return panel_linear(x, panel, bias)
-        amx_blocks = self.amx.get(name)
-        if amx_blocks is not None and pure_decode and rows <= self.amx_max_rows:
-            out = amx_linear(x, amx_blocks)
+        kernel = self._kernel(name, rows, pure_decode)
+        if kernel == "blocks":
+            return quant_linear(x, self.quantized[name], bias)
+        if kernel == "panel":
+            return panel_linear(x, self.panel[name], bias)
+        if kernel == "amx":
+            out = amx_linear(x, self.amx[name])
             return out if keep_dtype else out.float()
-        bf16_panel = self.bf16_panels.get(name)
-        if bf16_panel is not None and pure_decode and rows <= self.bf16_panel_max_rows:
+        if kernel == "bf16_panel":
             bias_fp32 = self.qkv_bias_fp32 if bias is not None else None  # only q/k/v has a bias
-            return bf16_panel_linear(x, bf16_panel, bias_fp32, out_bf16=keep_dtype)
+            return bf16_panel_linear(x, self.bf16_panels[name], bias_fp32, out_bf16=keep_dtype)
         packed = self.packed.get(name)
         out = (
             _packed_linear(x.to(self.dtype), packed, bias)
@@ -247,23 +244,30 @@ class DecoderLayer(nn.Module):
         )
         return out if keep_dtype else out.float()
 
+    def _kernel(self, name: str, rows: int, pure_decode: bool) -> str:
+        """Which kernel multiplies by matrix `name` in a step of `rows` tokens: "blocks" (the GGUF blocks in
+        fp32), "panel" (the fp32 panels), "amx", "bf16_panel" (those two in pure-decode steps only) or "dense"
+        (oneDNN). `_linear` runs it; `decode_gemm` asks it of all four matrices."""
+        if name in self.quantized and rows <= self.quantized_max_rows:
+            return "blocks"
+        if name in self.panel and rows <= self.panel_max_rows:
+            return "panel"
+        if name in self.amx and pure_decode and rows <= self.amx_max_rows:
+            return "amx"
+        if name in self.bf16_panels and pure_decode and rows <= self.bf16_panel_max_rows:
+            return "bf16_panel"
+        return "dense"
+
     def decode_gemm(self, rows: int) -> str | None:
         """The one kernel that takes all four matrices of a pure-decode step of `rows` sequences with bf16 in and
-        out, the row-wise kernels between (`_linear`'s choice for each): "amx", "bf16_panel" or None where the
-        matrices go to different kernels. What kernels/panel_decode.cpp's DecodeLayers runs."""
+        out, the row-wise kernels between (`_kernel` for each): "amx" or "bf16_panel", else None (the matrices go
+        to different kernels, or to one the C++ loop does not call). What kernels/panel_decode.cpp's DecodeLayers
+        runs."""
         if not (self.rowwise_kernels and self._bf16_io(rows)):
             return None
-        for name in _DENSE:
-            if (name in self.quantized and rows <= self.quantized_max_rows) or (
-                    name in self.panel and rows <= self.panel_max_rows):
-                return None
-        if all(name in self.amx for name in _DENSE) and rows <= self.amx_max_rows:
-            return "amx"
-        if rows <= self.amx_max_rows and any(name in self.amx for name in _DENSE):
-            return None  # some matrices through AMX, some not
-        if all(name in self.bf16_panels for name in _DENSE) and rows <= self.bf16_panel_max_rows:
-            return "bf16_panel"
-        return None
+        kernels = {self._kernel(name, rows, pure_decode=True) for name in _DENSE}
+        kernel = kernels.pop() if len(kernels) == 1 else None
+        return kernel if kernel in ("amx", "bf16_panel") else None
 
     def _bf16_io(self, rows: int) -> bool:
         """A step of `rows` tokens multiplies by all four dense matrices in bf16: the row-wise kernels

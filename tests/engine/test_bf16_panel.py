@@ -159,6 +159,11 @@ def test_the_models_own_products_are_onednns_but_for_rare_last_bit_flips() -> No
         assert float(flipped.float().mean()) < 1e-3, name
         # A flip is one step of bf16 at that value: the two fp32 sums fell either side of a rounding midpoint.
         step = 2.0 ** (torch.frexp(onednn.float()[flipped])[1] - 8).double()
+        if amx_available():
+            # oneDNN multiplies through AMX here (whose tile sums round otherwise than fp32 FMAs): where a sum nearly
+            # cancels, the two differ by the fp32 rounding of the terms, not of the result (seen: 3.6e-7 at a value of
+            # 3.8e-6, against outputs of ~4). The panels never run on such a CPU.
+            step = torch.maximum(step, torch.tensor(1e-6 * float(onednn.float().abs().max())).double())
         assert bool(((onednn.double() - panel.double())[flipped].abs() <= step).all()), name
 
 
