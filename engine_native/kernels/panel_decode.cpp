@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "decode_step.h"
 #include "rowops.h"
 
@@ -67,6 +68,7 @@ class DecodeLayers {
                     static_cast<int64_t>(norms_.size()) == 2 * layers_ && v_cache_.size() == k_cache_.size(),
                 "expected ", amx ? "4 matrices' blocks (qs, dm)" : "4 panels", ", 2 norms and a K and V cache per layer");
     TORCH_CHECK(bias_.empty() || static_cast<int64_t>(bias_.size()) == layers_, "none or one qkv bias per layer");
+    TORCH_CHECK(!amx || amx_permitted(), "AMX-BF16 is not available on this CPU or build");
     TORCH_CHECK(!(amx && !bias_.empty()), "the AMX kernel adds no qkv bias");
     const int64_t q_size = heads * head_dim, qkv_n = q_size + 2 * kv_heads * head_dim;
     const int64_t shapes[4][2] = {{qkv_n, hidden}, {hidden, q_size}, {2 * intermediate, hidden}, {hidden, intermediate}};
