@@ -380,6 +380,7 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
     from gateway.app import create_app
     from gateway.drain import Drain, DrainingServer
     from gateway.logs import configure_logging
+    from gateway.server_choice import SERVER_HTTP, SERVER_LOOP
 
     settings = replace(
         env,
@@ -422,6 +423,8 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,  # after the drain (gateway/drain.py): only idle connections are left
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # seconds, float too
+        loop=SERVER_LOOP,
+        http=SERVER_HTTP,
     )
     drain: Drain = app.state["drain"]
     DrainingServer(config, drain).run()

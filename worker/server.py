@@ -21,6 +21,7 @@ import uvicorn
 
 from drivers.fleet.membership import WorkerRegistration
 from drivers.registry import create_driver
+from gateway.server_choice import SERVER_HTTP, SERVER_LOOP
 from worker.app import WorkerApp
 from worker.settings import WorkerSettings
 
@@ -88,6 +89,8 @@ def run_worker(settings: WorkerSettings) -> int:
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn takes seconds, float too
         ssl_keyfile=settings.ssl_keyfile,
         ssl_certfile=settings.ssl_certfile,
+        loop=SERVER_LOOP,
+        http=SERVER_HTTP,
     )
     print(f"Sluice worker {settings.worker_id} listening on {settings.address} (driver {settings.driver})", flush=True)
     WorkerServer(config, app).run()
