@@ -10,8 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 engine=(msgspec gguf)
-gateway=(litestar litestar-htmx multipart polyfactory faker rich-click sniffio uvicorn sqlalchemy greenlet alembic mako
-         aiosqlite asyncpg redis opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions
+gateway=(litestar litestar-htmx multipart polyfactory faker rich-click sniffio uvicorn uvloop httptools sqlalchemy greenlet alembic
+         mako aiosqlite asyncpg redis opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions
          opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-http-transport
          opentelemetry-exporter-otlp-common opentelemetry-exporter-otlp-proto-common opentelemetry-proto
          googleapis-common-protos stripe pyzmq)

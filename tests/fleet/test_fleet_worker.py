@@ -44,6 +44,14 @@ def test_probes_and_info(worker: WorkerProcess) -> None:
     assert "sluice_worker_in_flight" in httpx.get(f"{worker.url}/metrics").text
 
 
+def test_the_worker_serves_on_uvloop_and_httptools(worker: WorkerProcess) -> None:
+    assert httpx.get(f"{worker.url}/healthz").status_code == 200
+    # gateway/server_choice.py: uvicorn loads neither compiled module unless it runs on it.
+    with open(f"/proc/{worker.process.pid}/maps") as maps:
+        loaded = maps.read()
+    assert "uvloop/loop." in loaded and "httptools/parser/parser." in loaded
+
+
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": SECRET}])
 def test_fleet_routes_need_the_secret(worker: WorkerProcess, headers: dict[str, str]) -> None:
     for method, path in [("GET", wire.INFO_PATH), ("POST", wire.GENERATE_PATH), ("POST", wire.TOKENIZE_PATH),
