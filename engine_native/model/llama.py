@@ -20,9 +20,9 @@ whether a sequence is alone or in a batch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +70,15 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 
 
 _DENSE = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+
+_T = TypeVar("_T")
+
+
+def _sole(values: Iterable[_T]) -> _T | None:
+    """The one value all of `values` are, or None where they differ (or there are none)."""
+    distinct = set(values)
+    return distinct.pop() if len(distinct) == 1 else None
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -265,8 +274,7 @@ class DecoderLayer(nn.Module):
         runs."""
         if not (self.rowwise_kernels and self._bf16_io(rows)):
             return None
-        kernels = {self._kernel(name, rows, pure_decode=True) for name in _DENSE}
-        kernel = kernels.pop() if len(kernels) == 1 else None
+        kernel = _sole(self._kernel(name, rows, pure_decode=True) for name in _DENSE)
         return kernel if kernel in ("amx", "bf16_panel") else None
 
     def _bf16_io(self, rows: int) -> bool:
@@ -487,8 +495,7 @@ class LlamaForCausalLM(nn.Module):
                 and self.use_decode_kernel(kv_cache)):
             return None
         # Asked each step (~50 us for 30 layers): the layers' bounds are plain attributes that may change.
-        gemms = {layer.decode_gemm(rows) if isinstance(layer, DecoderLayer) else None for layer in self.layers}
-        gemm = gemms.pop() if len(gemms) == 1 else None
+        gemm = _sole(layer.decode_gemm(rows) if isinstance(layer, DecoderLayer) else None for layer in self.layers)
         if gemm is None:
             return None
         key = (id(kv_cache.k[0]), gemm)

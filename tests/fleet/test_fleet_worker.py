@@ -13,6 +13,7 @@ from fleet_processes import WorkerProcess, wait_for
 
 from drivers.fleet import wire
 from drivers.portable_tokenizer import SPEC_DECODER, fingerprint
+from tests.server_choice import runs_on_uvloop_and_httptools
 
 SECRET = "fleet-test-secret"
 AUTH = {"authorization": f"Bearer {SECRET}"}
@@ -46,10 +47,7 @@ def test_probes_and_info(worker: WorkerProcess) -> None:
 
 def test_the_worker_serves_on_uvloop_and_httptools(worker: WorkerProcess) -> None:
     assert httpx.get(f"{worker.url}/healthz").status_code == 200
-    # gateway/server_choice.py: uvicorn loads neither compiled module unless it runs on it.
-    with open(f"/proc/{worker.process.pid}/maps") as maps:
-        loaded = maps.read()
-    assert "uvloop/loop." in loaded and "httptools/parser/parser." in loaded
+    assert runs_on_uvloop_and_httptools(worker.process.pid)  # gateway/server_choice.py
 
 
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": SECRET}])
