@@ -6,22 +6,79 @@ starts and becomes a plain JSON error instead of a broken 200 stream. After
 that, `chunks()` merges the streams, tagged with their choice index.
 `aclose()` is idempotent and releases everything: it cancels the pumps and
 closes every driver iterator, which aborts unfinished requests in the engine.
+The lifetime cap over the chunks is one timer a request (`_Lifetime`), not a
+timeout around each chunk's wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
-from typing import cast
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Any, TypeVar, cast
 
 from drivers.base import Driver, GenerationChunk, GenerationRequest
 
 _END = None  # queue marker: one stream finished
+T = TypeVar("T")
 
 
 class LifetimeExceededError(Exception):
     """The generation ran past the gateway's per-request lifetime cap."""
+
+
+class _Lifetime:
+    """A request's lifetime cap over its chunk waits: one timer, armed at the first wait.
+
+    `asyncio.timeout_at` around each wait made and cancelled a timer handle and looked up the running
+    loop and task (a getpid() system call each on Python 3.11) for every streamed token. Here the
+    timer cancels the task only while it waits for a chunk, as that timeout did: between waits (the
+    consumer writing the last chunk out) it just marks the request expired, and the next wait raises.
+    Another cancel of the task (the client left) stays a CancelledError, counted as asyncio.Timeout
+    counts it.
+    """
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline  # loop.time()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiter: asyncio.Task[Any] | None = None
+        self._cancelling = 0  # the waiter's cancel requests before this wait
+        self._expired = False
+        self._cancelled_waiter = False
+
+    async def wait(self, waiting: Coroutine[Any, Any, T]) -> T:
+        loop = self._loop
+        if loop is None:
+            self._loop = loop = asyncio.get_running_loop()
+            if loop.time() >= self._deadline:
+                self._expired = True
+            else:
+                self._timer = loop.call_at(self._deadline, self._expire)
+        if self._expired:
+            waiting.close()
+            raise LifetimeExceededError("The request ran past its lifetime cap")
+        task = asyncio.current_task(loop)
+        assert task is not None
+        self._waiter, self._cancelling = task, task.cancelling()
+        try:
+            return await waiting
+        except asyncio.CancelledError:
+            if self._cancelled_waiter and task.uncancel() <= self._cancelling:
+                raise LifetimeExceededError("The request ran past its lifetime cap") from None
+            raise
+        finally:
+            self._waiter = None
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._waiter is not None:
+            self._cancelled_waiter = True
+            self._waiter.cancel()
 
 
 class Fanout:
@@ -33,6 +90,7 @@ class Fanout:
         self._firsts: list[GenerationChunk | None] = []
         self._finished: set[int] = set()
         self._pumps: list[asyncio.Task[None]] = []
+        self._lifetime = _Lifetime(deadline)
         self._closed = False
 
     async def open(self) -> None:
@@ -64,7 +122,7 @@ class Fanout:
         pending = [i for i in range(len(self._iters)) if i not in self._finished]
         if len(pending) == 1:  # common case n=1: no pump task, no queue
             i = pending[0]
-            while (chunk := await self._next_before_deadline(self._iters[i])) is not None:
+            while (chunk := await self._lifetime.wait(_next(self._iters[i]))) is not None:
                 if chunk.finish_reason is not None:
                     self._finished.add(i)
                 yield i, chunk
@@ -74,11 +132,7 @@ class Fanout:
         self._pumps = [asyncio.create_task(self._pump(i, queue)) for i in pending]
         remaining = len(pending)
         while remaining:
-            try:
-                async with asyncio.timeout_at(self._deadline):
-                    i, item = await queue.get()
-            except TimeoutError:
-                raise LifetimeExceededError("The request ran past its lifetime cap") from None
+            i, item = await self._lifetime.wait(queue.get())
             if item is _END:
                 remaining -= 1
                 continue
@@ -93,6 +147,7 @@ class Fanout:
         if self._closed:
             return
         self._closed = True
+        self._lifetime.close()
         for task in self._pumps:
             task.cancel()
         for task in self._pumps:
@@ -116,13 +171,6 @@ class Fanout:
         except Exception as exc:  # noqa: BLE001 - not swallowed: the consumer re-raises it in its task
             await queue.put((i, exc))
         await queue.put((i, _END))
-
-    async def _next_before_deadline(self, it: AsyncIterator[GenerationChunk]) -> GenerationChunk | None:
-        try:
-            async with asyncio.timeout_at(self._deadline):
-                return await _next(it)
-        except TimeoutError:
-            raise LifetimeExceededError("The request ran past its lifetime cap") from None
 
     async def _abandon(self, firsts: Sequence[asyncio.Future[GenerationChunk | None]]) -> None:
         for task in firsts:

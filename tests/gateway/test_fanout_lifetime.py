@@ -1,0 +1,123 @@
+"""The lifetime cap over a request's chunks (gateway/fanout.py): one timer a request, which cuts a
+stream that waits past it, never a consumer busy between chunks, and never turns another cancel into
+a timeout. Over the synthetic driver, whose requests really run (and are aborted) on the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from drivers.base import GenerationRequest
+from drivers.synthetic import SyntheticDriver
+from gateway.fanout import Fanout, LifetimeExceededError
+
+
+async def _started(tokens_per_second: float) -> SyntheticDriver:
+    driver = SyntheticDriver(tokens_per_second=tokens_per_second, ttft_s=0)
+    await driver.start()
+    return driver
+
+
+def _requests(n: int) -> list[GenerationRequest]:
+    return [GenerationRequest(request_id=f"r{i}", model="synthetic", prompt="hi", max_tokens=200) for i in range(n)]
+
+
+async def _running(driver: SyntheticDriver) -> int:
+    await asyncio.sleep(0.05)  # the aborts land on the driver's next wake-up
+    return (await driver.health()).running
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_stream_past_its_lifetime_is_cut_and_its_requests_aborted(n: int) -> None:
+    async def main() -> None:
+        driver = await _started(tokens_per_second=20)
+        loop = asyncio.get_running_loop()
+        fanout = Fanout(driver, _requests(n), deadline=loop.time() + 0.3)
+        await fanout.open()
+        got = 0
+        began = time.monotonic()
+        with pytest.raises(LifetimeExceededError):
+            async for _ in fanout.chunks():
+                got += 1
+        took = time.monotonic() - began
+        await fanout.aclose()
+        assert 0.25 < took < 1.0, took  # cut at the cap, not at the end of 200 tokens (10 s)
+        assert n <= got < 200 * n
+        assert await _running(driver) == 0
+
+    asyncio.run(main())
+
+
+def test_a_consumer_busy_past_the_deadline_is_not_cancelled_its_next_wait_raises() -> None:
+    async def main() -> None:
+        driver = await _started(tokens_per_second=100)
+        loop = asyncio.get_running_loop()
+        fanout = Fanout(driver, _requests(1), deadline=loop.time() + 0.2)
+        await fanout.open()
+        chunks = fanout.chunks()
+        await anext(chunks)
+        await asyncio.sleep(0.4)  # e.g. writing to a slow client: the deadline passes meanwhile
+        with pytest.raises(LifetimeExceededError):
+            await anext(chunks)
+        await fanout.aclose()
+        assert await _running(driver) == 0
+
+    asyncio.run(main())
+
+
+def test_another_cancel_stays_a_cancel_and_a_closed_fanout_cancels_nothing_later() -> None:
+    async def main() -> None:
+        driver = await _started(tokens_per_second=5)
+        loop = asyncio.get_running_loop()
+        fanout = Fanout(driver, _requests(1), deadline=loop.time() + 0.3)
+        await fanout.open()
+
+        async def consume() -> None:
+            async for _ in fanout.chunks():
+                pass
+
+        consumer = asyncio.create_task(consume())
+        await asyncio.sleep(0.1)
+        consumer.cancel()  # the client left, before the cap
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        await fanout.aclose()
+        assert await _running(driver) == 0
+
+        # The cap's timer went with the fanout: a task that outlives the deadline is left alone.
+        async def outlive() -> str:
+            await asyncio.sleep(0.5)
+            return "done"
+
+        assert await asyncio.create_task(outlive()) == "done"
+
+    asyncio.run(main())
+
+
+def test_a_lifetime_that_never_comes_costs_one_timer_not_one_per_chunk() -> None:
+    async def main() -> None:
+        driver = await _started(tokens_per_second=0)  # as fast as the loop allows
+        loop = asyncio.get_running_loop()
+        fanout = Fanout(driver, [GenerationRequest(request_id="r", model="synthetic", prompt="hi",
+                                                   max_tokens=300)], deadline=loop.time() + 60)
+        await fanout.open()
+        timers = 0
+        call_at = loop.call_at
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal timers
+            timers += 1
+            return call_at(*args, **kwargs)
+
+        loop.call_at = counted  # type: ignore[method-assign]
+        try:
+            got = [chunk async for _, chunk in fanout.chunks()]
+        finally:
+            loop.call_at = call_at  # type: ignore[method-assign]
+        await fanout.aclose()
+        assert got[-1].finish_reason is not None and got[-1].completion_tokens == 300
+        assert timers == 1
+
+    asyncio.run(main())
