@@ -62,13 +62,16 @@ class _Lifetime:
         assert task is not None
         self._waiter, self._cancelling = task, task.cancelling()
         try:
-            return await waiting
+            got = await waiting
         except asyncio.CancelledError:
             if self._cancelled_waiter and task.uncancel() <= self._cancelling:
                 raise LifetimeExceededError("The request ran past its lifetime cap") from None
             raise
         finally:
             self._waiter = None
+        if self._cancelled_waiter:  # what it awaited swallowed our cancel: take it back; the next wait raises
+            task.uncancel()
+        return got
 
     def close(self) -> None:
         if self._timer is not None:

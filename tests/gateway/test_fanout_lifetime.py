@@ -14,14 +14,16 @@ from drivers.synthetic import SyntheticDriver
 from gateway.fanout import Fanout, LifetimeExceededError
 
 
-async def _started(tokens_per_second: float) -> SyntheticDriver:
+async def _opened(tokens_per_second: float, cap_s: float, n: int = 1,
+                  max_tokens: int = 200) -> tuple[SyntheticDriver, Fanout]:
+    """A started synthetic driver and an opened fanout of `n` choices whose lifetime ends in `cap_s`."""
     driver = SyntheticDriver(tokens_per_second=tokens_per_second, ttft_s=0)
     await driver.start()
-    return driver
-
-
-def _requests(n: int) -> list[GenerationRequest]:
-    return [GenerationRequest(request_id=f"r{i}", model="synthetic", prompt="hi", max_tokens=200) for i in range(n)]
+    requests = [GenerationRequest(request_id=f"r{i}", model="synthetic", prompt="hi", max_tokens=max_tokens)
+                for i in range(n)]
+    fanout = Fanout(driver, requests, deadline=asyncio.get_running_loop().time() + cap_s)
+    await fanout.open()
+    return driver, fanout
 
 
 async def _running(driver: SyntheticDriver) -> int:
@@ -32,10 +34,7 @@ async def _running(driver: SyntheticDriver) -> int:
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_stream_past_its_lifetime_is_cut_and_its_requests_aborted(n: int) -> None:
     async def main() -> None:
-        driver = await _started(tokens_per_second=20)
-        loop = asyncio.get_running_loop()
-        fanout = Fanout(driver, _requests(n), deadline=loop.time() + 0.3)
-        await fanout.open()
+        driver, fanout = await _opened(tokens_per_second=20, cap_s=0.3, n=n)
         got = 0
         began = time.monotonic()
         with pytest.raises(LifetimeExceededError):
@@ -52,10 +51,7 @@ def test_a_stream_past_its_lifetime_is_cut_and_its_requests_aborted(n: int) -> N
 
 def test_a_consumer_busy_past_the_deadline_is_not_cancelled_its_next_wait_raises() -> None:
     async def main() -> None:
-        driver = await _started(tokens_per_second=100)
-        loop = asyncio.get_running_loop()
-        fanout = Fanout(driver, _requests(1), deadline=loop.time() + 0.2)
-        await fanout.open()
+        driver, fanout = await _opened(tokens_per_second=100, cap_s=0.2)
         chunks = fanout.chunks()
         await anext(chunks)
         await asyncio.sleep(0.4)  # e.g. writing to a slow client: the deadline passes meanwhile
@@ -69,10 +65,7 @@ def test_a_consumer_busy_past_the_deadline_is_not_cancelled_its_next_wait_raises
 
 def test_another_cancel_stays_a_cancel_and_a_closed_fanout_cancels_nothing_later() -> None:
     async def main() -> None:
-        driver = await _started(tokens_per_second=5)
-        loop = asyncio.get_running_loop()
-        fanout = Fanout(driver, _requests(1), deadline=loop.time() + 0.3)
-        await fanout.open()
+        driver, fanout = await _opened(tokens_per_second=5, cap_s=0.3)
 
         async def consume() -> None:
             async for _ in fanout.chunks():
@@ -98,11 +91,8 @@ def test_another_cancel_stays_a_cancel_and_a_closed_fanout_cancels_nothing_later
 
 def test_a_lifetime_that_never_comes_costs_one_timer_not_one_per_chunk() -> None:
     async def main() -> None:
-        driver = await _started(tokens_per_second=0)  # as fast as the loop allows
+        _, fanout = await _opened(tokens_per_second=0, cap_s=60, max_tokens=300)  # as fast as the loop allows
         loop = asyncio.get_running_loop()
-        fanout = Fanout(driver, [GenerationRequest(request_id="r", model="synthetic", prompt="hi",
-                                                   max_tokens=300)], deadline=loop.time() + 60)
-        await fanout.open()
         timers = 0
         call_at = loop.call_at
 
