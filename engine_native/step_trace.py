@@ -7,11 +7,13 @@ tells which steps make the tail, and what they held: prompt tokens computed besi
 many prompts were admitted, how long the forward took and how long the loop around it.
 
 `sluice serve --step-trace DIR` has every engine write `DIR/<node id>.jsonl`; `sluice bench steps FILE`
-prints the summary below. Tracing costs a small write per step (a few microseconds); it is off by default.
+prints the summary below, and with a client's per-token arrival times (`delivery`) how long tokens took
+to reach it after their step. Tracing costs a small write per step (a few microseconds); it is off by default.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -166,6 +168,42 @@ def summarize(records: Iterable[StepRecord]) -> TraceSummary:
         tail_kinds=tail_kinds,
         tail_mean_prefill_tokens=sum(r.prefill_tokens * r.decodes for r in tail) / tail_gaps if tail_gaps else 0.0,
         tail_mean_admitted=sum(r.admitted * r.decodes for r in tail) / tail_gaps if tail_gaps else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class DeliverySummary:
+    """How long a client's tokens took to reach it after the step that sampled them (seconds)."""
+
+    tokens: int  # client tokens matched to a step
+    before_first_step: int  # arrivals earlier than every step's end: another run's, or the clocks disagree
+    p50_s: float
+    p90_s: float
+    p99_s: float
+    max_s: float
+
+
+def delivery(records: Iterable[StepRecord], arrivals: Iterable[float]) -> DeliverySummary:
+    """Each token's arrival at the client (wall clock) minus the end of the last step that sampled
+    tokens before it: the gateway's, the network's and the client's share of an inter-token gap, which
+    the trace's own gaps leave out. One token a step per stream: its step is the last one before it."""
+    ends = sorted(r.end for r in records if r.sampled > 0)
+    delays: list[float] = []
+    early = 0
+    for t in arrivals:
+        i = bisect.bisect_right(ends, t) - 1
+        if i < 0:
+            early += 1
+        else:
+            delays.append(t - ends[i])
+    ones = [1] * len(delays)
+    return DeliverySummary(
+        tokens=len(delays),
+        before_first_step=early,
+        p50_s=weighted_quantile(delays, ones, 0.5),
+        p90_s=weighted_quantile(delays, ones, 0.9),
+        p99_s=weighted_quantile(delays, ones, 0.99),
+        max_s=max(delays, default=0.0),
     )
 
 

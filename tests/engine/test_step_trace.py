@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from engine_native.step_trace import StepRecord, StepTraceWriter, read_trace, summarize, weighted_quantile
+from engine_native.step_trace import (
+    StepRecord,
+    StepTraceWriter,
+    delivery,
+    read_trace,
+    summarize,
+    weighted_quantile,
+)
 
 SLUICE = str(Path(sys.executable).parent / "sluice")
 
@@ -65,3 +73,32 @@ def test_a_trace_that_cannot_be_written_stops_without_stopping_the_engine(caplog
     assert [r.getMessage() for r in caplog.records if "step trace" in r.getMessage()] == [
         "step trace /dev/full stopped: [Errno 28] No space left on device"
     ]
+
+
+def test_delivery_sets_each_client_token_against_the_step_before_it() -> None:
+    steps = [step(0.05, 2, end=100.0 + 0.05 * i) for i in range(20)]  # steps end at 100.00, 100.05, ..., 100.95
+    arrivals = [100.0 + 0.05 * i + 0.002 for i in range(20)] + [100.5 + 0.03, 99.0]  # 2 ms late; one 30; one early
+    d = delivery(steps, arrivals)
+    assert (d.tokens, d.before_first_step) == (21, 1)
+    assert d.p50_s == pytest.approx(0.002) and d.max_s == pytest.approx(0.03)
+
+
+def test_the_cli_reads_a_detailed_vllm_result_onto_the_trace(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "node-0.jsonl"
+    writer = StepTraceWriter(path)
+    for i in range(40):
+        writer.write(step(0.05, 2, end=1_000.0 + 0.05 * i))
+    writer.close()
+    # Two requests on the client's monotonic clock (offset 900 s from the wall): first tokens 3 ms after
+    # the step at 1,000.10, then one token a step, each 3 ms after its step but one 40 ms late.
+    result = {"start_times": [100.0, 100.0], "ttfts": [0.103, 0.103],
+              "itls": [[0.05] * 10, [0.05] * 4 + [0.087] + [0.013] + [0.05] * 4]}
+    client = tmp_path / "client.json"
+    client.write_text(json.dumps(result))
+    out = subprocess.run([SLUICE, "bench", "steps", str(path), "--client", str(client), "--client-clock-offset", "900"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "22 tokens" in out and "p50 3.0 ms" in out and "max 40.0" in out, out
+    client.write_text(json.dumps({"itls": []}))  # a result saved without --save-detailed
+    failed = subprocess.run([SLUICE, "bench", "steps", str(path), "--client", str(client)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert failed.returncode == 2 and "--save-detailed" in failed.stdout
