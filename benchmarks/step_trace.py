@@ -33,8 +33,8 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    help="a `vllm bench serve --save-detailed` result of a run against this server: how long its "
                         "tokens took to reach the client after their steps")
     p.add_argument("--client-clock-offset", type=float, default=None,
-                   help="wall clock minus the client's monotonic clock, in seconds (default: this machine's now, "
-                        "right where the client ran on this machine since its last boot)")
+                   help="wall clock minus the client's monotonic clock, in seconds (default: this machine's, "
+                        "right when the client ran here and the machine has not rebooted since)")
     p.set_defaults(func=run)
 
 
@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
         offset = time.time() - time.monotonic() if args.client_clock_offset is None else args.client_clock_offset
         try:
             arrivals = client_arrivals(json.loads(args.client.read_text()), offset)
-        except ValueError as exc:
-            print(f"sluice bench steps: {exc}")
+        except (OSError, ValueError, TypeError) as exc:  # unreadable, not JSON, or not a detailed result
+            print(f"sluice bench steps: {args.client}: {exc}")
             return 2
         d = delivery(every, arrivals)
         summaries[f"client {args.client}"] = asdict(d)

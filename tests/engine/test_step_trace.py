@@ -102,3 +102,8 @@ def test_the_cli_reads_a_detailed_vllm_result_onto_the_trace(tmp_path) -> None: 
     failed = subprocess.run([SLUICE, "bench", "steps", str(path), "--client", str(client)],
                             capture_output=True, text=True, timeout=120, check=False)
     assert failed.returncode == 2 and "--save-detailed" in failed.stdout
+    for bad in ("[1, 2]", "not json"):
+        client.write_text(bad)
+        failed = subprocess.run([SLUICE, "bench", "steps", str(path), "--client", str(client)],
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert failed.returncode == 2 and str(client) in failed.stdout and "Traceback" not in failed.stderr
