@@ -34,15 +34,15 @@ async def _running(driver: SyntheticDriver) -> int:
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_stream_past_its_lifetime_is_cut_and_its_requests_aborted(n: int) -> None:
     async def main() -> None:
+        began = time.monotonic()  # the cap counts from just after this
         driver, fanout = await _opened(tokens_per_second=20, cap_s=0.3, n=n)
         got = 0
-        began = time.monotonic()
         with pytest.raises(LifetimeExceededError):
             async for _ in fanout.chunks():
                 got += 1
         took = time.monotonic() - began
         await fanout.aclose()
-        assert 0.25 < took < 1.0, took  # cut at the cap, not at the end of 200 tokens (10 s)
+        assert 0.29 < took < 5.0, took  # cut at the cap (not before it) and long before 200 tokens take (10 s)
         assert n <= got < 200 * n
         assert await _running(driver) == 0
 
