@@ -105,6 +105,7 @@ class NativeDriverConfig:
             max_num_batched_tokens=o.max_num_batched_tokens,
             long_prefill_token_threshold=o.long_prefill_token_threshold,
             wave_budget_factor=o.wave_budget_factor,
+            prompt_order_ms_per_token=o.prompt_order_ms_per_token,
             max_waiting=o.max_waiting,
         ))
         if o.prefill_tokens_beside_decodes is not None:  # 0: no cap

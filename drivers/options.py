@@ -52,6 +52,9 @@ class EngineOptions:
     (--wave-budget-factor)."""
     prefill_tokens_beside_decodes: int | None = None
     """Prompt tokens a step computes while streams decode; 0: no cap (--prefill-tokens-beside-decodes)."""
+    prompt_order_ms_per_token: float | None = None
+    """Waiting requests stand in line by arrival plus this many ms per prompt token; 0: arrival order
+    (--prompt-order-ms-per-token)."""
     max_waiting: int | None = None
     """Requests an engine queues beyond those running before it refuses with 503
     (SLUICE_MAX_WAITING, --max-waiting)."""

@@ -155,7 +155,8 @@ class LLMEngine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             share_prefix_across_tenants=config.cache.share_prefix_across_tenants,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, swap=swap)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, swap=swap,
+                                   device_type=self.device.type)
         if self.group is not None:
             self.runner: ModelRunner = self.group.runner(num_blocks, block_size, kv_dtype)
         else:

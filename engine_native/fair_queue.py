@@ -6,7 +6,10 @@ Serving Large Language Models", Sheng et al. 2024): every token computed for the
 first time charges its tenant `1 / weight` (a token recomputed after a preemption
 is not charged again), so over time tenants of one tier get service in
 proportion to their weights, and a tenant flooding the queue cannot starve
-another. Within a tenant it is FCFS by arrival.
+another. Within a tenant it is by arrival time plus `order_s_per_token` seconds per prompt token
+(SchedulerConfig.prompt_order_ms_per_token): the prompts of a burst go shortest first, a later arrival
+overtakes only a longer prompt that came less than the difference of their lengths times it before; 0 is
+FCFS by arrival. A preempted request keeps its place (its key does not change).
 
 A tenant's weight comes with its requests (`Request.tenant_weight`, set from the
 tenant's record by the gateway); `SchedulerConfig.tenant_weights` overrides it.
@@ -58,10 +61,11 @@ class FairShare:
 
 
 class WaitingQueue:
-    """priority -> tenant -> requests ordered by (arrival, insertion)."""
+    """priority -> tenant -> requests ordered by (arrival + prompt tokens x `order_s_per_token`, insertion)."""
 
-    def __init__(self, fair_share: FairShare) -> None:
+    def __init__(self, fair_share: FairShare, order_s_per_token: float = 0.0) -> None:
         self.fair_share = fair_share
+        self.order_s_per_token = order_s_per_token
         self._tiers: dict[int, dict[str, list[tuple[tuple[float, int], Request]]]] = {}
         self._counter = itertools.count()
         self._len = 0
@@ -89,7 +93,8 @@ class WaitingQueue:
             if waiting:
                 self.fair_share.lift(tenant, min(waiting))
         queue = tenants.setdefault(tenant, [])
-        entry = ((request.arrival_time, next(self._counter)), request)
+        place = request.arrival_time + request.num_prompt_tokens * self.order_s_per_token
+        entry = ((place, next(self._counter)), request)
         bisect.insort(queue, entry, key=lambda e: e[0])
         self._len += 1
         self._tokens += request.num_tokens
@@ -97,7 +102,7 @@ class WaitingQueue:
     def _next(self) -> tuple[int, str]:
         priority = min(self._tiers)
         tenants = self._tiers[priority]
-        # Least weighted service first; ties go to the tenant whose head arrived first.
+        # Least weighted service first; ties go to the tenant whose head stands first.
         tenant = min(tenants, key=lambda t: (self.fair_share.counter(t), tenants[t][0][0]))
         return priority, tenant
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine_native.config import SchedulerConfig
+from engine_native.config import SchedulerConfig, default_prompt_order_ms_per_token
 from engine_native.errors import QueueFullError
 from engine_native.fair_queue import FairShare, WaitingQueue, tenant_of
 from engine_native.kv_cache_manager import KVCacheManager, PrefixLookup, cdiv
@@ -111,8 +111,10 @@ class Scheduler:
         kv_cache: KVCacheManager,
         max_model_len: int,
         swap: SwapPolicy | None = None,
+        device_type: str = "cpu",
     ) -> None:
-        """`swap`: preempt to a host pool where it says so; None: every preemption recomputes."""
+        """`swap`: preempt to a host pool where it says so; None: every preemption recomputes. `device_type`:
+        where the steps run ("cpu", "cuda"), for the defaults that depend on it."""
         self.config = config
         self.swap = swap
         self.num_swaps = 0  # preemptions that swapped out instead of recomputing
@@ -122,7 +124,10 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.fair_share = FairShare(config.tenant_weights)
-        self.waiting = WaitingQueue(self.fair_share)
+        order_ms = config.prompt_order_ms_per_token
+        if order_ms is None:
+            order_ms = default_prompt_order_ms_per_token(device_type)
+        self.waiting = WaitingQueue(self.fair_share, order_ms / 1000)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0

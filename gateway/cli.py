@@ -46,6 +46,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, not {text}")
+    return value
+
+
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser], env: Settings) -> None:
     p = sub.add_parser(
         "serve",
@@ -193,6 +200,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         default=None,
         help="prompt tokens a step computes while streams decode, 0: no cap (lower: steadier inter-token "
              "latency, longer TTFT); default: the engine's",
+    )
+    p.add_argument(
+        "--prompt-order-ms-per-token",
+        type=_non_negative_float,
+        default=None,
+        help="waiting requests stand in line by arrival plus this many ms per prompt token (a burst goes "
+             "shortest prompt first), 0: arrival order; default: the engine's",
     )
     p.add_argument(
         "--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
@@ -349,6 +363,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         wave_budget_factor=args.wave_budget_factor,
         prefill_tokens_beside_decodes=args.prefill_tokens_beside_decodes,
+        prompt_order_ms_per_token=args.prompt_order_ms_per_token,
         max_waiting=args.max_waiting,
         max_waiting_tokens=args.max_waiting_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory,

@@ -31,7 +31,7 @@ def fake_run(sched: SchedulerOutput, eos_at: dict[str, int] | None = None) -> Ru
     return out
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, **cfg: int) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, **cfg: float) -> Scheduler:
     config = SchedulerConfig(
         **{"max_num_seqs": 8, "max_num_batched_tokens": 32, "long_prefill_token_threshold": 16,
            "wave_budget_factor": 1, **cfg}
@@ -312,11 +312,61 @@ def test_waiting_queue_is_fcfs_within_priority() -> None:
     ]
     for r in order:
         s.add_request(r)
+    assert started_order(s) == ["a1", "a2", "b"]
+
+
+def started_order(s: Scheduler) -> list[str]:
+    """Run to the end; the ids in the order their first prompt chunk was computed."""
     started = []
     while s.has_work:
         sched = run_step(s)
         started.extend(x.request.request_id for x in sched.scheduled if x.num_computed_before == 0)
-    assert started == ["a1", "a2", "b"]
+    return started
+
+
+def test_a_burst_goes_shortest_prompt_first() -> None:
+    s = make_scheduler(max_num_seqs=1)  # one at a time: the queue's order is the start order
+    for rid, n in (("long", 12), ("short", 4), ("mid", 8)):
+        s.add_request(make_request(rid, n, 1, arrival=5.0))
+    assert started_order(s) == ["short", "mid", "long"]
+
+
+def test_a_shorter_prompt_overtakes_only_within_its_window() -> None:
+    # 1 ms a token: a 12-token prompt stands at arrival + 12 ms, a 4-token one at arrival + 4 ms; the short
+    # one goes first if it came less than 8 ms after the long one.
+    s = make_scheduler(max_num_seqs=1, prompt_order_ms_per_token=1.0)
+    s.add_request(make_request("long", 12, 1, arrival=10.000))
+    s.add_request(make_request("short_soon", 4, 1, arrival=10.007))
+    s.add_request(make_request("short_late", 4, 1, arrival=10.009))
+    assert started_order(s) == ["short_soon", "long", "short_late"]
+
+
+def test_zero_ms_a_token_is_arrival_order_whatever_the_lengths() -> None:
+    s = make_scheduler(max_num_seqs=1, prompt_order_ms_per_token=0.0)
+    for i, n in enumerate((12, 4, 8)):
+        s.add_request(make_request(f"r{i}", n, 1, arrival=5.0 + i * 1e-6))
+    assert started_order(s) == ["r0", "r1", "r2"]
+
+
+def test_the_default_order_follows_the_device() -> None:
+    kv = KVCacheManager(16, 4)
+    assert Scheduler(SchedulerConfig(), kv, 4096).waiting.order_s_per_token == pytest.approx(1e-3)
+    assert Scheduler(SchedulerConfig(), kv, 4096, device_type="cuda").waiting.order_s_per_token == pytest.approx(1e-4)
+    chosen = SchedulerConfig(prompt_order_ms_per_token=0.5)
+    assert Scheduler(chosen, kv, 4096, device_type="cuda").waiting.order_s_per_token == pytest.approx(5e-4)
+
+
+def test_a_preempted_request_keeps_its_place_in_line() -> None:
+    # The long prompt runs first (alone in the queue), is preempted by a more important arrival, and
+    # comes back ahead of a shorter one of its priority that arrived much later.
+    s = make_scheduler(max_num_seqs=1, prompt_order_ms_per_token=1.0)
+    s.add_request(make_request("long", 12, 4, priority=1, arrival=0.0))
+    run_step(s)
+    s.add_request(make_request("urgent", 4, 1, priority=0, arrival=1.0))
+    s.add_request(make_request("short_later", 4, 1, priority=1, arrival=1.0))
+    assert [x.request.request_id for x in run_step(s).scheduled] == ["urgent"]
+    assert s.requests["long"].num_preemptions == 1
+    assert started_order(s) == ["long", "short_later"]
 
 
 def test_running_cap_and_queue_bound() -> None:

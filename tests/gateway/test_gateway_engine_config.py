@@ -53,6 +53,16 @@ def test_the_bf16_panel_flag_reaches_the_engine_and_a_negative_one_is_refused() 
         serve_options(["--bf16-panel-max-rows", "-1"])
 
 
+def test_the_prompt_order_flag_reaches_the_engine_and_a_negative_or_nan_one_is_refused() -> None:
+    import pytest
+
+    config = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--prompt-order-ms-per-token", "0"]))
+    assert [config.engine_config(i).scheduler.prompt_order_ms_per_token for i in range(2)] == [0.0, 0.0]
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(SystemExit):
+            serve_options(["--prompt-order-ms-per-token", bad])
+
+
 def test_zero_waiting_tokens_means_no_token_bound() -> None:
     config = NativeDriverConfig.from_options(serve_options(["--max-waiting-tokens", "0"]))
     assert config.engine.scheduler.max_waiting_tokens is None
