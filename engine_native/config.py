@@ -101,12 +101,13 @@ class SchedulerConfig:
     # Where a waiting request stands among its tenant's (same priority): its arrival time plus this many
     # milliseconds per prompt token, so the requests of one burst go shortest prompt first and a prompt is
     # overtaken only by shorter ones that arrived less than (its length - theirs) x this after it. A burst's
-    # short prompts then have their first tokens without waiting for the long ones' prefill, and the long
-    # ones wait about what the last of an arrival-ordered burst waits anyway (the burst takes as long).
-    # None: about a prompt token's prefill, so that the window a prompt can be overtaken in is about its own
-    # prefill time: 1 ms on CPU (a 2-core CPU's), 0.1 on CUDA (`default_prompt_order_ms_per_token`). On mixed
-    # ~512-token prompts at 32 streams on a 2-core CPU the mean time to first token fell 13-22% at the same
-    # throughput (docs/engine.md, "Knobs"). 0: arrival order.
+    # short prompts then have their first tokens without waiting out the long ones' prefill; the long ones wait
+    # longer, and the burst's last first token comes when it would have (the burst takes as long). None: about
+    # a prompt token's prefill, so that the window a prompt can be overtaken in is about its own prefill time:
+    # 1 ms on CPU (a 2-core CPU's), 0.1 on CUDA (`default_prompt_order_ms_per_token`). On mixed ~512-token
+    # prompts at 32 streams on a 2-core CPU the mean time to first token fell 8-22% over six seeds at the same
+    # throughput, the p50 moved either way (docs/engine.md, "Shortest prompt first within a burst"). 0: arrival
+    # order.
     prompt_order_ms_per_token: float | None = None
     max_waiting: int = 256  # bound of the waiting queue; add_request beyond it is refused
     # Second bound of the waiting queue, in tokens (prompts, plus outputs of preempted requests), so
