@@ -235,6 +235,22 @@ def test_idle_time_is_not_counted_as_prefill_time(loaded, prompts) -> None:  # t
     assert engine.stats().prefill_tokens_per_s >= computed / took
 
 
+def test_a_burst_is_served_shortest_prompt_first(loaded, prompts) -> None:  # type: ignore[no-untyped-def]
+    """Requests that arrive together start in the order of their prompts' lengths (the engine's default
+    line, `SchedulerConfig.prompt_order_ms_per_token`), whatever order they were sent in."""
+    engine = make_engine(loaded, max_num_seqs=1)  # one at a time: the line's order is the order of first tokens
+    arrival = time.time()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"req-{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                           arrival_time=arrival)
+    first: list[str] = []
+    while engine.has_unfinished:
+        first.extend(out.request_id for out in engine.step() if out.request_id not in first)
+    lengths = [len(prompts[int(rid.removeprefix("req-"))]) for rid in first]
+    assert len(first) == len(prompts)
+    assert lengths == sorted(lengths) and lengths != [len(p) for p in prompts]
+
+
 def test_step_trace_accounts_for_every_step_and_token(loaded, prompts, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The trace a served engine writes (`--step-trace`) is what `sluice bench steps` reads to say which
     steps make the inter-token tail: every step is in it, and its counts add up to the engine's own."""
