@@ -17,6 +17,7 @@ token; so recompute after preemption never repeats or drops a token.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -127,6 +128,8 @@ class Scheduler:
         order_ms = config.prompt_order_ms_per_token
         if order_ms is None:
             order_ms = default_prompt_order_ms_per_token(device_type)
+        if not 0 <= order_ms < math.inf:  # also refuses nan
+            raise ValueError(f"prompt_order_ms_per_token must be a finite number, 0 or more, not {order_ms}")
         self.waiting = WaitingQueue(self.fair_share, order_ms / 1000)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

@@ -348,12 +348,15 @@ def test_zero_ms_a_token_is_arrival_order_whatever_the_lengths() -> None:
     assert started_order(s) == ["r0", "r1", "r2"]
 
 
-def test_the_default_order_follows_the_device() -> None:
+def test_the_default_order_follows_the_device_and_a_bad_one_is_refused() -> None:
     kv = KVCacheManager(16, 4)
     assert Scheduler(SchedulerConfig(), kv, 4096).waiting.order_s_per_token == pytest.approx(1e-3)
     assert Scheduler(SchedulerConfig(), kv, 4096, device_type="cuda").waiting.order_s_per_token == pytest.approx(1e-4)
     chosen = SchedulerConfig(prompt_order_ms_per_token=0.5)
     assert Scheduler(chosen, kv, 4096, device_type="cuda").waiting.order_s_per_token == pytest.approx(5e-4)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="prompt_order_ms_per_token"):
+            Scheduler(SchedulerConfig(prompt_order_ms_per_token=bad), kv, 4096)
 
 
 def test_a_preempted_request_keeps_its_place_in_line() -> None:
