@@ -94,16 +94,20 @@ def test_the_cli_reads_a_detailed_vllm_result_onto_the_trace(tmp_path) -> None: 
     result = {"start_times": [100.0, 100.0], "ttfts": [0.103, 0.103],
               "itls": [[0.05] * 10, [0.05] * 4 + [0.087] + [0.013] + [0.05] * 4]}
     client = tmp_path / "client.json"
+
+    def steps(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([SLUICE, "bench", "steps", str(path), "--client", str(client), *extra],
+                              capture_output=True, text=True, timeout=120, check=False)
+
     client.write_text(json.dumps(result))
-    out = subprocess.run([SLUICE, "bench", "steps", str(path), "--client", str(client), "--client-clock-offset", "900"],
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    done = steps("--client-clock-offset", "900")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     assert "22 tokens" in out and "p50 3.0 ms" in out and "max 40.0" in out, out
     client.write_text(json.dumps({"itls": []}))  # a result saved without --save-detailed
-    failed = subprocess.run([SLUICE, "bench", "steps", str(path), "--client", str(client)],
-                            capture_output=True, text=True, timeout=120, check=False)
+    failed = steps()
     assert failed.returncode == 2 and "--save-detailed" in failed.stdout
     for bad in ("[1, 2]", "not json"):
         client.write_text(bad)
-        failed = subprocess.run([SLUICE, "bench", "steps", str(path), "--client", str(client)],
-                                capture_output=True, text=True, timeout=120, check=False)
+        failed = steps()
         assert failed.returncode == 2 and str(client) in failed.stdout and "Traceback" not in failed.stderr

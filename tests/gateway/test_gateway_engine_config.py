@@ -3,6 +3,8 @@ config -> each engine's EngineConfig, with every default taken from the layer th
 
 from __future__ import annotations
 
+import pytest
+
 from drivers.native import NativeDriverConfig
 from drivers.options import EngineOptions
 from drivers.synthetic import SyntheticDriver
@@ -45,8 +47,6 @@ def test_environment_then_flags_reach_every_engine() -> None:
 
 
 def test_the_bf16_panel_flag_reaches_the_engine_and_a_negative_one_is_refused() -> None:
-    import pytest
-
     config = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--bf16-panel-max-rows", "0"]))
     assert [config.engine_config(i).bf16_panel_max_rows for i in range(2)] == [0, 0]
     with pytest.raises(SystemExit):
@@ -54,8 +54,6 @@ def test_the_bf16_panel_flag_reaches_the_engine_and_a_negative_one_is_refused() 
 
 
 def test_the_prompt_order_flag_reaches_the_engine_and_a_negative_or_nan_one_is_refused() -> None:
-    import pytest
-
     config = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--prompt-order-ms-per-token", "0"]))
     assert [config.engine_config(i).scheduler.prompt_order_ms_per_token for i in range(2)] == [0.0, 0.0]
     for bad in ("-1", "nan", "inf", "x"):
