@@ -94,8 +94,10 @@ class ServerProcess:
     def log_tail(self, chars: int = 3000) -> str:
         if self._log is None:
             return ""
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")[-chars:]
+        # pread, not seek + read: the server writes through this same open file, so moving its offset would
+        # move where the server's next line lands (over the start of the log) while it still runs.
+        fd = self._log.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")[-chars:]
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,7 @@ MAX_BODY_BYTES = 64 * 1024
 class Server:
     base_url: str
     process: subprocess.Popen[bytes]
+    log_tail: Callable[[], str]  # the end of the server's output so far, for a failing test's message
 
     @property
     def v1(self) -> str:
@@ -49,4 +50,4 @@ def start_server(
     says so: a native server listens while its model still loads."""
     with ServerProcess(["--driver", "synthetic", *options], startup_timeout_s, auth, env) as server:
         assert server.process is not None
-        yield Server(server.base_url, server.process)
+        yield Server(server.base_url, server.process, server.log_tail)
