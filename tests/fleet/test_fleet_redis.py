@@ -64,7 +64,7 @@ def test_a_new_worker_joins_gets_traffic_and_drains_on_sigterm(fleet: Fleet) -> 
     new = fleet.worker("joiner", "--synthetic-tokens-per-second", "50")  # its streams outlast the SIGTERM
     try:
         # Ready, not only present: a worker enters the views joining (not routable) and a gateway sees it ready at
-        # its next look; on a fast host the twelve requests below were over before that (none on the joiner).
+        # its next look; on a fast host the twelve requests below can be over before that (none on the joiner).
         for g in fleet.gateways:
             wait_for("the new worker ready in the view",
                      lambda g=g: {n["id"]: n["state"] for n in nodes(g)}.get("joiner") == "ready", 10)

@@ -315,8 +315,8 @@ def test_switch_canary_and_rollback_under_load_lose_nothing(
     outcomes = load.outcomes
 
     failed = [o for o in outcomes if not o.ok]
-    # A stream lost before any response byte (status 0) was seen twice in full runs and never alone: the switches'
-    # times and both servers' logs (an exception the app raised is logged) go with the failure.
+    # A stream lost before any response byte (status 0) was seen twice under load (a full run, a loaded host) and
+    # never alone: the switches' times and both servers' logs (an exception the app raised is logged) go with it.
     assert not failed, (failed[:5], applied, [server.log_tail() for server in pair])
     for o in outcomes:
         assert len(o.models) == 1 and len(o.fingerprints) == 1, o  # one version produced all of it
