@@ -127,6 +127,11 @@ def nodes(base_url: str) -> list[dict[str, object]]:
     return data
 
 
+def node_state(base_url: str, worker_id: str) -> str | None:
+    """The worker's state in this gateway's view (joining, ready, draining); None while it is not in the view."""
+    return next((str(n["state"]) for n in nodes(base_url) if n["id"] == worker_id), None)
+
+
 def busiest(base_url: str) -> str:
     """The id of the worker this gateway has the most streams open on."""
     return str(max(nodes(base_url), key=lambda n: int(str(n["in_flight"])))["id"])

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from fleet_processes import Stream, WorkerProcess, gateway, nodes, wait_for, workers
+from fleet_processes import Stream, WorkerProcess, gateway, node_state, nodes, wait_for, workers
 
 from drivers.base import GenerationRequest
 from drivers.synthetic import SyntheticDriver
@@ -135,7 +135,7 @@ def test_sigterm_drains_without_a_failed_request() -> None:
         streams = run_streams(base, texts)
         leaving = ws[0]
         leaving.signal(signal.SIGTERM)
-        wait_for("draining in the view", lambda: {n["id"]: n["state"] for n in nodes(base)}.get("w0") == "draining", 5)
+        wait_for("draining in the view", lambda: node_state(base, "w0") == "draining", 5)
         # New requests go to the other worker meanwhile; the drained one finishes what it has.
         late = run_streams(base, texts[:2], 10)
         check_all_complete(streams, expected)

@@ -11,7 +11,16 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from fleet_processes import Stream, WorkerProcess, gateway, nodes, private_redis, wait_for, workers
+from fleet_processes import (
+    Stream,
+    WorkerProcess,
+    gateway,
+    node_state,
+    nodes,
+    private_redis,
+    wait_for,
+    workers,
+)
 
 FAST = ["--driver", "synthetic", "--synthetic-tokens-per-second", "200", "--synthetic-ttft-ms", "5"]
 
@@ -66,8 +75,7 @@ def test_a_new_worker_joins_gets_traffic_and_drains_on_sigterm(fleet: Fleet) -> 
         # Ready, not only present: a worker enters the views joining (not routable) and a gateway sees it ready at
         # its next look; on a fast host the twelve requests below can be over before that (none on the joiner).
         for g in fleet.gateways:
-            wait_for("the new worker ready in the view",
-                     lambda g=g: {n["id"]: n["state"] for n in nodes(g)}.get("joiner") == "ready", 10)
+            wait_for("the new worker ready in the view", lambda g=g: node_state(g, "joiner") == "ready", 10)
         for i in range(12):
             complete(base, f"{system_prompt(100 + i)} hello")
         assert new.served() > 0
@@ -81,8 +89,8 @@ def test_a_new_worker_joins_gets_traffic_and_drains_on_sigterm(fleet: Fleet) -> 
         for s in streams:
             assert s.started.wait(60)
         new.signal(signal.SIGTERM)
-        wait_for("draining in both views", lambda: all(
-            {n["id"]: n["state"] for n in nodes(g)}.get("joiner") == "draining" for g in fleet.gateways), 10)
+        wait_for("draining in both views",
+                 lambda: all(node_state(g, "joiner") == "draining" for g in fleet.gateways), 10)
         complete(base, f"{system_prompt(100)} after the drain began")  # routed elsewhere, succeeds
         for s in streams:
             s.join()
