@@ -95,7 +95,8 @@ void token_rows(const KV* k_cache, const KV* v_cache, const int64_t* table, int6
 // walk it replaced reduced a vector to one float for every (query head, key) pair and loaded and stored
 // every output row once per key. 2-core AVX2-only EPYC, 32 sequences, 30 layers' caches: 110-121 -> 80-90 ms
 // at 100-600 tokens; one layer's cache 30 times at 100-250 tokens: 48-50 -> 36-40 ms. Same sums of the same
-// products, in another order: results agree to float rounding.
+// products, in another order: results agree to float rounding. Its rows are read ahead by a plain pass of
+// loads (read_rows), not by prefetch instructions as in the AVX-512 path.
 namespace avx2_path {
 
 // Eight dot products' 8-lane partial sums -> their eight totals, in order.
@@ -159,20 +160,29 @@ void weighted_values_cols(const float* p, int64_t len, const float* const* value
   }
 }
 
+// Reads this head's d elements of every K and V row of the item, one load per cache line and no arithmetic
+// on them, before the walk below. On the 2-core AVX2-only EPYC (Zen 3) the walk's prefetches, 32 rows ahead,
+// did not hide its misses: with the rows read first and no prefetches, 32 sequences of 125-250 tokens over
+// 30 layers' scattered caches took 16.7-23.9 ms against 26.4-31.1 (medians, in-process, both ways
+// alternating in one process, six runs), 300-600 tokens 40.4-58.2 against 59.3-78.3, 8 sequences of
+// 564-1,128 tokens 18.6-25.6 against 26.4-30.5 (docs/engine.md, "The AVX2-only EPYC again"). A pass of plain
+// loads keeps many misses in flight at once (nothing waits on them), and the walk then finds its rows in L2
+// (or L3, for contexts longer than L2 holds). The same bits either way.
+void read_rows(const float* const* rows, const float* const* vrows, int64_t head, int64_t d, int64_t len) {
+  __m256 sink = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; ++t)
+    for (int64_t c = head; c < head + d; c += 16)
+      sink = _mm256_add_ps(sink, _mm256_add_ps(_mm256_loadu_ps(rows[t] + c), _mm256_loadu_ps(vrows[t] + c)));
+  asm volatile("" : : "x"(sink));  // the loads are the point: claim the sum is used
+}
+
 // One (sequence, KV head) item: the g query heads' scores against `len` keys, their softmax, the values.
 // rows[t] / vrows[t]: token t's K / V row (token_rows); this head's d elements start at `head`.
 void attend(const float* q, int64_t g, int64_t d, const float* const* rows, const float* const* vrows, int64_t head,
             int64_t len, float scale, float* scores, float* out) {
-  for (int64_t i = 0; i < std::min(kRowsAhead, len); ++i) {
-    prefetch_row(rows[i], head, head + d);
-    prefetch_row(vrows[i], head, head + d);
-  }
+  read_rows(rows, vrows, head, d, len);
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - t0);
-    for (int64_t i = t0 + kRowsAhead; i < std::min(t0 + kRowsAhead + 8, len); ++i) {
-      prefetch_row(rows[i], head, head + d);
-      prefetch_row(vrows[i], head, head + d);
-    }
     const float* k[8];
     for (int64_t i = 0; i < 8; ++i) k[i] = rows[t0 + std::min(i, n - 1)] + head;
     for (int64_t j = 0; j < g; ++j) score_head(q + j * d, k, d, scale, n, scores + j * len + t0);
