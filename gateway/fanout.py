@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar, cast
 
 from drivers.base import Driver, GenerationChunk, GenerationRequest
@@ -47,7 +47,7 @@ class _Lifetime:
         self._expired = False
         self._cancelled_waiter = False
 
-    async def wait(self, waiting: Coroutine[Any, Any, T]) -> T:
+    async def wait(self, waiting: Awaitable[T]) -> T:
         loop = self._loop
         if loop is None:
             self._loop = loop = asyncio.get_running_loop()
@@ -56,7 +56,7 @@ class _Lifetime:
             else:
                 self._timer = loop.call_at(self._deadline, self._expire)
         if self._expired:
-            waiting.close()
+            waiting.close()  # type: ignore[attr-defined]  # a coroutine or anext()'s awaitable: both close
             raise LifetimeExceededError("The request ran past its lifetime cap")
         task = asyncio.current_task(loop)
         assert task is not None
@@ -125,7 +125,8 @@ class Fanout:
         pending = [i for i in range(len(self._iters)) if i not in self._finished]
         if len(pending) == 1:  # common case n=1: no pump task, no queue
             i = pending[0]
-            while (chunk := await self._lifetime.wait(_next(self._iters[i]))) is not None:
+            # anext(it, None), not _next(it): no coroutine frame of ours between each chunk and its consumer.
+            while (chunk := await self._lifetime.wait(anext(self._iters[i], None))) is not None:
                 if chunk.finish_reason is not None:
                     self._finished.add(i)
                 yield i, chunk

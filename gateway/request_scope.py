@@ -44,7 +44,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
@@ -378,8 +378,8 @@ class _ScopedStream:
     def __aiter__(self) -> _ScopedStream:
         return self
 
-    async def __anext__(self) -> bytes:
-        return await anext(self._events)
+    def __anext__(self) -> Awaitable[bytes]:
+        return self._events.__anext__()  # the generator's own awaitable: no frame of ours per chunk
 
     async def aclose(self) -> None:
         try:

@@ -15,9 +15,10 @@ The same figures, without the time axis, are the Prometheus histograms labelled 
 
 from __future__ import annotations
 
+import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -28,17 +29,9 @@ if TYPE_CHECKING:
     from observability.timeline import RequestTimeline
 
 PROMPT_LABELS = tuple([f"<={e // 1024}k" if e >= 1024 else f"<={e}" for e in PROMPT_BUCKETS] + [">8k"])
-POSITION_EDGES = (16, 64, 256, 1024)
+POSITION_EDGES = (16, 64, 256, 1024)  # the last output position (1-based) of each bucket but the last
 POSITION_LABELS = ("2-16", "17-64", "65-256", "257-1k", ">1k")
 SERIES = ("ttft_by_prompt", "itl_by_prompt", "itl_by_position")
-
-
-def position_bucket(position: int) -> str:
-    """Label of an output token's position (1-based; the first token has no inter-token gap)."""
-    for edge, label in zip(POSITION_EDGES, POSITION_LABELS, strict=False):
-        if position <= edge:
-            return label
-    return POSITION_LABELS[-1]
 
 
 class Quantiles(msgspec.Struct, frozen=True):
@@ -62,20 +55,46 @@ class LengthLatencyReport(msgspec.Struct, frozen=True):
 
 
 class _Reservoir:
-    __slots__ = ("count", "samples")
+    """Up to `cap` of the values added, each value equally likely to be among them (Li's Algorithm L).
+
+    Once full, the draws say how many values to pass over before the next one replaces a random
+    sample, so a value costs a comparison, not a draw: a request's gaps are added when it ends, one
+    per token, and a draw each (the plain reservoir) was several percent of the gateway's CPU a
+    streamed token. Li, "Reservoir-sampling algorithms of time complexity O(n(1 + log(N/n)))", 1994.
+    """
+
+    __slots__ = ("_next", "_w", "count", "samples")
 
     def __init__(self) -> None:
         self.count = 0
         self.samples: list[float] = []
+        self._w = 1.0
+        self._next = 0  # 0-based index, among all values added, of the next one to take once full
 
-    def add(self, value: float, cap: int, rng: random.Random) -> None:
-        self.count += 1
-        if len(self.samples) < cap:
-            self.samples.append(value)
-        else:  # keep each of the `count` values with probability cap / count
-            slot = rng.randrange(self.count)
-            if slot < cap:
-                self.samples[slot] = value
+    def add(self, values: Sequence[float], cap: int, rng: random.Random) -> None:
+        samples, n = self.samples, len(values)
+        if cap <= 0:
+            self.count += n
+            return
+        i = 0
+        while len(samples) < cap and i < n:
+            samples.append(values[i])
+            i += 1
+            if len(samples) == cap:
+                self._w = 1.0
+                self._next = self.count + i - 1
+                self._advance(cap, rng)
+        end = self.count + n
+        while len(samples) == cap and self._next < end:
+            samples[int(rng.random() * cap)] = values[self._next - self.count]
+            self._advance(cap, rng)
+        self.count = end
+
+    def _advance(self, cap: int, rng: random.Random) -> None:
+        """W <- W * U^(1/cap); pass over floor(log U' / log(1 - W)) values; the next one is taken."""
+        self._w *= math.exp(math.log(1.0 - rng.random()) / cap)  # 1 - random() is in (0, 1]
+        skip = math.floor(math.log(1.0 - rng.random()) / math.log1p(-self._w)) if self._w < 1.0 else 0
+        self._next += skip + 1
 
     def quantiles(self) -> Quantiles:
         ordered = sorted(self.samples)
@@ -84,6 +103,13 @@ class _Reservoir:
             return round(ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.5) - 1))] * 1000, 3)
 
         return Quantiles(at(0.5), at(0.9), self.count)
+
+
+def _reservoir(buckets: dict[str, _Reservoir], label: str) -> _Reservoir:
+    found = buckets.get(label)
+    if found is None:
+        found = buckets[label] = _Reservoir()
+    return found
 
 
 class LengthLatencyView:
@@ -107,12 +133,17 @@ class LengthLatencyView:
         for c in t.choices:
             bucket = prompt_bucket(c.prompt_tokens)
             if c.first_token is not None:
-                series["ttft_by_prompt"].setdefault(bucket, _Reservoir()).add(c.first_token - t.started, cap, rng)
-            by_prompt = series["itl_by_prompt"].setdefault(bucket, _Reservoir()) if c.itl else None
-            for i, gap in enumerate(c.itl):
-                assert by_prompt is not None
-                by_prompt.add(gap, cap, rng)
-                series["itl_by_position"].setdefault(position_bucket(i + 2), _Reservoir()).add(gap, cap, rng)
+                _reservoir(series["ttft_by_prompt"], bucket).add((c.first_token - t.started,), cap, rng)
+            if not c.itl:
+                continue
+            _reservoir(series["itl_by_prompt"], bucket).add(c.itl, cap, rng)
+            # Gap i comes before output token i + 2: each position bucket takes one slice of the gaps.
+            start, n = 0, len(c.itl)
+            for edge, label in zip((*POSITION_EDGES, None), POSITION_LABELS, strict=True):
+                end = n if edge is None else min(n, edge - 1)
+                if start < end:
+                    _reservoir(series["itl_by_position"], label).add(c.itl[start:end], cap, rng)
+                start = end
 
     def report(self) -> LengthLatencyReport:
         now = int(self.clock() // 60)
