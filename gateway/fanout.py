@@ -99,7 +99,7 @@ class Fanout:
     async def open(self) -> None:
         """Start every stream and wait for its first chunk; on any error close all and re-raise."""
         self._iters = [self._driver.generate(r) for r in self._requests]
-        firsts = [asyncio.ensure_future(_next(it)) for it in self._iters]
+        firsts = [asyncio.ensure_future(anext(it, None)) for it in self._iters]
         try:
             async with asyncio.timeout_at(self._deadline):
                 done, _ = await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
@@ -125,7 +125,7 @@ class Fanout:
         pending = [i for i in range(len(self._iters)) if i not in self._finished]
         if len(pending) == 1:  # common case n=1: no pump task, no queue
             i = pending[0]
-            # anext(it, None), not _next(it): no coroutine frame of ours between each chunk and its consumer.
+            # anext(it, None): the chunk or None at the end, with no coroutine frame of ours around it.
             while (chunk := await self._lifetime.wait(anext(self._iters[i], None))) is not None:
                 if chunk.finish_reason is not None:
                     self._finished.add(i)
@@ -184,9 +184,3 @@ class Fanout:
                 await task
         await self.aclose()
 
-
-async def _next(it: AsyncIterator[GenerationChunk]) -> GenerationChunk | None:
-    try:
-        return await anext(it)
-    except StopAsyncIteration:
-        return None

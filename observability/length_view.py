@@ -59,8 +59,9 @@ class _Reservoir:
 
     Once full, the draws say how many values to pass over before the next one replaces a random
     sample, so a value costs a comparison, not a draw: a request's gaps are added when it ends, one
-    per token, and the plain reservoir's draw a value made that ~1.3 µs a token (of the gateway's ~75
-    µs of CPU a streamed token), now ~0.05. Li, "Reservoir-sampling algorithms of time complexity O(n(1 + log(N/n)))", 1994.
+    per token, and the plain reservoir's draw a value made that ~1.3 µs a token (of the gateway's
+    ~75 µs of CPU a streamed token), now ~0.05. Li, "Reservoir-sampling algorithms of time
+    complexity O(n(1 + log(N/n)))", 1994.
     """
 
     __slots__ = ("_next", "_w", "count", "samples")
@@ -80,8 +81,7 @@ class _Reservoir:
         while len(samples) < cap and i < n:
             samples.append(values[i])
             i += 1
-            if len(samples) == cap:
-                self._w = 1.0
+            if len(samples) == cap:  # just filled: the first skip starts from here (_w is still 1.0)
                 self._next = self.count + i - 1
                 self._advance(cap, rng)
         end = self.count + n

@@ -62,19 +62,6 @@ void softmax(float* s, int64_t len) {
   for (int64_t i = 0; i < len; ++i) s[i] *= inv;
 }
 
-// Rows are asked for into L2, not L1: a core has far fewer L1 misses in flight than L2 ones, and the
-// walk over scattered blocks is bound by how many rows are on their way (2-core AVX-512 BF16 EPYC, 32
-// sequences of 100-200 tokens, 30 layers: 16.7 ms with L1 prefetches 8 tokens ahead, 11.9 with L2 ones 32
-// ahead, 10.6-11.1 with the next sequence's rows asked for too; the same results bit for bit).
-template <typename KV>
-inline void prefetch_row(const KV* row, int64_t from, int64_t to) {
-  constexpr int64_t kLine = 64 / sizeof(KV);  // elements per cache line
-  for (int64_t c = from; c < to; c += kLine) _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T1);
-}
-
-// How far ahead of the score walk a sequence's own K and V rows are asked for, in tokens.
-constexpr int64_t kRowsAhead = 32;
-
 // k[t], v[t] <- token t's K and V rows (every KV head's elements) of a sequence of `len` tokens whose block
 // table is `table`, in token order.
 template <typename KV>
@@ -96,7 +83,7 @@ void token_rows(const KV* k_cache, const KV* v_cache, const int64_t* table, int6
 // every output row once per key. 2-core AVX2-only EPYC, 32 sequences, 30 layers' caches: 110-121 -> 80-90 ms
 // at 100-600 tokens; one layer's cache 30 times at 100-250 tokens: 48-50 -> 36-40 ms. Same sums of the same
 // products, in another order: results agree to float rounding. Its rows are read ahead by a plain pass of
-// loads (read_rows), not by prefetch instructions as in the AVX-512 path.
+// loads (read_rows), not by prefetch instructions as in the AVX-512 path (prefetch_row, below).
 namespace avx2_path {
 
 // Eight dot products' 8-lane partial sums -> their eight totals, in order.
@@ -210,6 +197,19 @@ void attend(const float* q, int64_t g, int64_t d, const float* const* rows, cons
 // partial sums are reduced together (hadd tree), and the weighted sum of the values keeps every output row
 // of the query heads in registers across the whole context. Same sums of the same products as the AVX2
 // path, in another order: results agree to float rounding.
+
+// Rows are asked for into L2, not L1: a core has far fewer L1 misses in flight than L2 ones, and the
+// walk over scattered blocks is bound by how many rows are on their way (2-core AVX-512 BF16 EPYC, 32
+// sequences of 100-200 tokens, 30 layers: 16.7 ms with L1 prefetches 8 tokens ahead, 11.9 with L2 ones 32
+// ahead, 10.6-11.1 with the next sequence's rows asked for too; the same results bit for bit).
+template <typename KV>
+inline void prefetch_row(const KV* row, int64_t from, int64_t to) {
+  constexpr int64_t kLine = 64 / sizeof(KV);  // elements per cache line
+  for (int64_t c = from; c < to; c += kLine) _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T1);
+}
+
+// How far ahead of the score walk a sequence's own K and V rows are asked for, in tokens.
+constexpr int64_t kRowsAhead = 32;
 
 // softmax() with the max, the e^x and the scaling 16 lanes at a time (exp16_ps gives exp_ps's values lane by
 // lane) and the sum added in softmax()'s 8-lane order: the same probabilities, bit for bit, in fewer ops.
