@@ -301,6 +301,7 @@ class LLMEngine:
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
                 preempted=len(sched.preempted_ids),
+                first_gaps=sum(s.is_first_gap for s in sched.scheduled),
             ))
         while self._recent and now - self._recent[0].end > STATS_WINDOW_S:
             self._recent.popleft()

@@ -58,6 +58,11 @@ class ScheduledRequest:
         """One token after the request's prompt: its last sampled one."""
         return self.samples and self.num_new_tokens == 1 and self.num_computed_before >= self.request.num_prompt_tokens
 
+    @property
+    def is_first_gap(self) -> bool:
+        """A decode right after the request's first token: the step's interval is its first inter-token gap."""
+        return self.is_decode and self.num_computed_before == self.request.num_prompt_tokens
+
 
 @dataclass
 class SchedulerOutput:

@@ -4,7 +4,9 @@ A decoding stream gets one token per step, so each of its inter-token gaps is (n
 the step that produced the token: the distribution of gaps a client measures (ITL) is the distribution
 of step intervals, each step counted once per stream that decoded in it. A trace of the steps therefore
 tells which steps make the tail, and what they held: prompt tokens computed beside the decodes, how
-many prompts were admitted, how long the forward took and how long the loop around it.
+many prompts were admitted, how many of its decodes were a stream's first gap (a burst of requests that
+reached the engine across two steps: the early ones decode while the later ones prefill), how long the
+forward took and how long the loop around it.
 
 `sluice serve --step-trace DIR` has every engine write `DIR/<node id>.jsonl`; `sluice bench steps FILE`
 prints the summary below, and with a client's per-token arrival times (`delivery`) how long tokens took
@@ -37,6 +39,10 @@ class StepRecord(msgspec.Struct, frozen=True):
     running: int  # requests running after the step
     waiting: int  # requests waiting after the step
     preempted: int  # requests preempted to make room in this step
+    # Of the decodes, those of requests whose first token came from the step before: this interval is their
+    # first inter-token gap. Many of them in a step that also computes prompts is a burst split across two
+    # steps (the burst's early arrivals decoding while its later ones prefill). 0 in traces written before it.
+    first_gaps: int = 0
 
     @property
     def kind(self) -> str:
@@ -114,6 +120,7 @@ class TraceSummary:
     tail_kinds: dict[str, int]  # of the gaps at or above the p99, how many each kind of step made
     tail_mean_prefill_tokens: float  # prompt tokens computed in the steps that made those gaps
     tail_mean_admitted: float
+    tail_first_gaps: int  # of the gaps at or above the p99, how many were a stream's first inter-token gap
 
 
 def weighted_quantile(values: Sequence[float], weights: Sequence[int], q: float) -> float:
@@ -168,6 +175,7 @@ def summarize(records: Iterable[StepRecord]) -> TraceSummary:
         tail_kinds=tail_kinds,
         tail_mean_prefill_tokens=sum(r.prefill_tokens * r.decodes for r in tail) / tail_gaps if tail_gaps else 0.0,
         tail_mean_admitted=sum(r.admitted * r.decodes for r in tail) / tail_gaps if tail_gaps else 0.0,
+        tail_first_gaps=sum(r.first_gaps for r in tail),
     )
 
 
@@ -222,6 +230,7 @@ def format_summary(s: TraceSummary) -> str:
     tail = ", ".join(f"{kind} {n}" for kind, n in sorted(s.tail_kinds.items()))
     lines.append(
         f"gaps at or above the p99 come from: {tail or 'none'}; those steps computed "
-        f"{s.tail_mean_prefill_tokens:.0f} prompt tokens and admitted {s.tail_mean_admitted:.1f} requests on average"
+        f"{s.tail_mean_prefill_tokens:.0f} prompt tokens and admitted {s.tail_mean_admitted:.1f} requests on average; "
+        f"{s.tail_first_gaps} of those gaps were a stream's first (its burst split across two steps)"
     )
     return "\n".join(lines)

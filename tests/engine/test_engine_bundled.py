@@ -268,6 +268,7 @@ def test_step_trace_accounts_for_every_step_and_token(loaded, prompts, tmp_path)
     # every token after a request's first is a decode; the first is sampled by its prompt's last chunk
     assert sum(s.decodes for s in steps) == (NEW_TOKENS - 1) * len(prompts)
     assert sum(s.admitted for s in steps) == len(prompts)
+    assert sum(s.first_gaps for s in steps) == len(prompts)  # one first inter-token gap a request
     assert {s.kind for s in steps} == {"prefill", "prefill+decode", "decode"}
     assert all(0 < s.forward_s <= s.interval_s for s in steps)
     assert [s.end for s in steps] == sorted(s.end for s in steps)

@@ -21,10 +21,12 @@ from engine_native.step_trace import (
 SLUICE = str(Path(sys.executable).parent / "sluice")
 
 
-def step(interval_s: float, decodes: int, prefill_tokens: int = 0, admitted: int = 0, end: float = 0.0) -> StepRecord:
+def step(interval_s: float, decodes: int, prefill_tokens: int = 0, admitted: int = 0, end: float = 0.0,
+         first_gaps: int = 0) -> StepRecord:
     return StepRecord(end=end, interval_s=interval_s, forward_s=interval_s * 0.9, decodes=decodes,
                       prefill_tokens=prefill_tokens, prefill_seqs=admitted, admitted=admitted, cached_tokens=0,
-                      sampled=decodes + admitted, running=decodes + admitted, waiting=0, preempted=0)
+                      sampled=decodes + admitted, running=decodes + admitted, waiting=0, preempted=0,
+                      first_gaps=first_gaps)
 
 
 def test_weighted_quantile_counts_each_value_by_its_weight() -> None:
@@ -49,6 +51,21 @@ def test_the_tail_is_the_prefill_steps_that_held_the_decodes() -> None:
     assert by_kind["decode"].loop_share == pytest.approx(0.1)
     # with only 20 such gaps (one step), the p99 is a decode step's
     assert summarize(trace[:-1]).gap_p99_s == 0.05
+    assert s.tail_first_gaps == 0  # those 40 streams had decoded before
+
+
+def test_the_tail_says_when_it_is_a_burst_split_across_two_steps() -> None:
+    # Waves of 8 requests (a closed loop of 8 whose requests end together): 6 reach the engine in time for
+    # one step and are prefilled there; 2 arrive during it and are prefilled in the next, beside the 6's first
+    # decodes, whose first inter-token gap that step is (200 ms). 6 of every wave's 8 x 63 gaps: p99.
+    wave = [step(0.5, 0, 432, admitted=6), step(0.2, 6, 144, admitted=2, first_gaps=6)]
+    wave += [step(0.02, 8) for _ in range(62)]
+    s = summarize(wave * 7)
+    assert s.gap_p99_s == 0.2
+    assert s.tail_kinds == {"prefill+decode": 42} and s.tail_first_gaps == 42
+    # with the first gaps of one stream a wave, the tail is the decode steps again
+    lone = [step(0.1, 0, 72, admitted=1), step(0.5, 1, 504, admitted=7, first_gaps=1)] + [step(0.02, 8) for _ in range(62)]
+    assert summarize(lone * 7).gap_p99_s == 0.02
 
 
 def test_written_traces_read_back_and_summarize_from_the_cli(tmp_path) -> None:  # type: ignore[no-untyped-def]
