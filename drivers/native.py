@@ -106,6 +106,7 @@ class NativeDriverConfig:
             long_prefill_token_threshold=o.long_prefill_token_threshold,
             wave_budget_factor=o.wave_budget_factor,
             prompt_order_ms_per_token=o.prompt_order_ms_per_token,
+            burst_hold_s=o.burst_hold_ms / 1000.0 if o.burst_hold_ms is not None else None,
             max_waiting=o.max_waiting,
         ))
         if o.prefill_tokens_beside_decodes is not None:  # 0: no cap
@@ -145,6 +146,9 @@ class NativeDriver(Driver):
         self.ready = False  # True once every engine has loaded its model, until stop()
         self.max_model_len = 0
         self.max_request_tokens = 0  # tokens the smallest engine's KV pool holds
+        # Prompts being tokenized now: a request sent while some are tells the engine that more are coming
+        # (AddRequest.more_coming), so that an idle engine prefills a burst in one step.
+        self._tokenizing = 0
 
     @classmethod
     def from_options(cls, options: EngineOptions) -> NativeDriver:
@@ -201,7 +205,16 @@ class NativeDriver(Driver):
             raise InvalidRequestError("this model has no tokenizer; send prompt token ids", param="prompt")
         # A worker thread: a 1 MiB prompt takes most of a second to encode (the tokenizer releases
         # the GIL meanwhile), and the event loop serves every other stream in the meantime.
-        return await asyncio.to_thread(encode_prompt, tok, request)
+        self._tokenizing += 1
+        try:
+            return await asyncio.to_thread(encode_prompt, tok, request)
+        finally:
+            self._tokenizing -= 1
+
+    @property
+    def tokenizing(self) -> int:
+        """Prompts being tokenized now."""
+        return self._tokenizing
 
     def tokenizer_spec(self, model: str) -> TokenizerSpec | None:
         if model != self.served_model_name or self.tokenizer is None:
@@ -274,6 +287,7 @@ class NativeDriver(Driver):
                 arrival_time=arrival,
                 tenant_id=request.tenant_id,
                 tenant_weight=request.tenant_weight,
+                more_coming=self.tokenizing > 0,
             ))
         except engine_errors.EngineError as exc:
             raise self._driver_error(exc, engine, request.priority) from exc

@@ -55,6 +55,9 @@ class EngineOptions:
     prompt_order_ms_per_token: float | None = None
     """Waiting requests stand in line by arrival plus this many ms per prompt token; 0: arrival order
     (--prompt-order-ms-per-token)."""
+    burst_hold_ms: float | None = None
+    """How long an idle engine holds its first step for the rest of a burst still being tokenized; 0: off
+    (--burst-hold-ms)."""
     max_waiting: int | None = None
     """Requests an engine queues beyond those running before it refuses with 503
     (SLUICE_MAX_WAITING, --max-waiting)."""

@@ -109,6 +109,14 @@ class SchedulerConfig:
     # throughput, the p50 moved either way (docs/engine.md, "Shortest prompt first within a burst"). 0: arrival
     # order.
     prompt_order_ms_per_token: float | None = None
+    # How long an idle engine holds its first step for the rest of a burst: requests the driver was still
+    # tokenizing when it sent the first ones (`AddRequest.more_coming`; process.py). Held, a burst is prefilled
+    # in one step; not held, the requests tokenized first have their first token, and the next step, which
+    # prefills the rest, is their first inter-token gap (8 simultaneous ~1,100-token prompts came back from the
+    # gateway's 6 tokenizing threads as 6, then 2 a few ms later: six 157-210 ms gaps a burst; docs/engine.md,
+    # "The Zen 4 EPYC a third time"). It ends when a request arrives with none left to come (with several engines
+    # the rest may go to another: then it runs out). Nothing decodes while it holds; 0: off.
+    burst_hold_s: float = 0.025
     max_waiting: int = 256  # bound of the waiting queue; add_request beyond it is refused
     # Second bound of the waiting queue, in tokens (prompts, plus outputs of preempted requests), so
     # a burst of long prompts cannot grow memory without bound either. A request is refused when the

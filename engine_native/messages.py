@@ -42,6 +42,9 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     arrival_time: float
     tenant_id: str | None = None
     tenant_weight: float = 1.0  # fair-share weight of the tenant within its priority (fair_queue.py)
+    # The driver was still tokenizing other requests when it sent this one: the rest of a burst is on its way
+    # (an idle engine holds its first step for it: SchedulerConfig.burst_hold_s).
+    more_coming: bool = False
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):

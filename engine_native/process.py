@@ -2,7 +2,9 @@
 
 Its whole world is two pipes of msgspec-encoded messages (`messages.py`).
 Inputs are drained before every step, so an abort takes effect within one
-step; when idle it blocks on the input pipe instead of spinning. A `SetFault`
+step; when idle it blocks on the input pipe instead of spinning, and a request that
+arrives saying more of its burst are coming (`AddRequest.more_coming`) holds the first
+step until they are in or `SchedulerConfig.burst_hold_s` is up. A `SetFault`
 makes it slow (a sleep after every step) or stalled (no steps, requests kept,
 stats still sent) for chaos testing.
 """
@@ -83,12 +85,13 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
     log = logging.getLogger("engine_native.process")
     last_stats = 0.0
     fault = SetFault()
+    burst_hold_s = config.scheduler.burst_hold_s
     try:
         while True:
             stepping = engine.has_unfinished and not fault.stall
             timeout = 0.0 if stepping else IDLE_POLL_S
+            burst = _BurstHold(burst_hold_s if not stepping else 0.0)
             while inbox.poll(timeout):
-                timeout = 0.0
                 msg = decoder.decode(inbox.recv_bytes())
                 if isinstance(msg, Shutdown):
                     return
@@ -98,9 +101,11 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
                         send(StepOutputs(aborted))
                 elif isinstance(msg, AddRequest):
                     _add(engine, msg, send)
+                    burst.saw(msg.more_coming)
                 elif isinstance(msg, SetFault):
                     fault = msg
                     log.warning("fault injection: step_delay_s=%s stall=%s", msg.step_delay_s, msg.stall)
+                timeout = burst.remaining()
             if engine.has_unfinished and not fault.stall:
                 outputs = engine.step()
                 if outputs:
@@ -122,6 +127,27 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
             pass
     finally:
         engine.close()  # a tensor-parallel engine's worker ranks go with it
+
+
+class _BurstHold:
+    """An idle engine's wait for the rest of a burst (SchedulerConfig.burst_hold_s): from the first request
+    that says more are coming until one says none are, or the hold's time is up."""
+
+    def __init__(self, hold_s: float) -> None:
+        self._hold_s = hold_s  # 0: the engine was not idle, or holding is off
+        self._until: float | None = None
+        self._expecting = False
+
+    def saw(self, more_coming: bool) -> None:
+        self._expecting = more_coming and self._hold_s > 0
+        if self._expecting and self._until is None:
+            self._until = time.monotonic() + self._hold_s
+
+    def remaining(self) -> float:
+        """How long to poll for the next message: 0 unless the rest of a burst is awaited."""
+        if not self._expecting or self._until is None:
+            return 0.0
+        return max(0.0, self._until - time.monotonic())
 
 
 def _add(engine: LLMEngine, msg: AddRequest, send: Callable[[EngineMessage], None]) -> None:

@@ -209,6 +209,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
              "shortest prompt first), 0: arrival order; default: the engine's",
     )
     p.add_argument(
+        "--burst-hold-ms",
+        type=_non_negative_float,
+        default=None,
+        help="an idle engine holds its first step up to this long for requests of the same burst still being "
+             "tokenized, so the burst is prefilled in one step; 0: off; default: the engine's",
+    )
+    p.add_argument(
         "--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
         help="do not reuse KV of shared prefixes",
     )
@@ -364,6 +371,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         wave_budget_factor=args.wave_budget_factor,
         prefill_tokens_beside_decodes=args.prefill_tokens_beside_decodes,
         prompt_order_ms_per_token=args.prompt_order_ms_per_token,
+        burst_hold_ms=args.burst_hold_ms,
         max_waiting=args.max_waiting,
         max_waiting_tokens=args.max_waiting_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory,

@@ -85,3 +85,13 @@ def test_step_trace_gives_each_engine_its_own_file() -> None:
     version = replace(config, node_prefix="v2/node")  # a second model version's nodes: no subfolder per version
     assert version.engine_config(0).step_trace_path == "/tmp/traces/v2_node-0.jsonl"
     assert NativeDriverConfig.from_options(serve_options([])).engine_config(0).step_trace_path is None
+
+
+def test_the_burst_hold_flag_reaches_the_engine_in_seconds_and_a_negative_one_is_refused() -> None:
+    config = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--burst-hold-ms", "40"]))
+    assert [config.engine_config(i).scheduler.burst_hold_s for i in range(2)] == [0.04, 0.04]
+    off = NativeDriverConfig.from_options(serve_options(["--burst-hold-ms", "0"]))
+    assert off.engine.scheduler.burst_hold_s == 0.0
+    for bad in ("-1", "nan", "x"):
+        with pytest.raises(SystemExit):
+            serve_options(["--burst-hold-ms", bad])
