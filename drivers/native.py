@@ -148,7 +148,7 @@ class NativeDriver(Driver):
         self.max_request_tokens = 0  # tokens the smallest engine's KV pool holds
         # Prompts being tokenized now: a request sent while some are tells the engine that more are coming
         # (AddRequest.more_coming), so that an idle engine prefills a burst in one step.
-        self._tokenizing = 0
+        self.tokenizing = 0
 
     @classmethod
     def from_options(cls, options: EngineOptions) -> NativeDriver:
@@ -205,16 +205,11 @@ class NativeDriver(Driver):
             raise InvalidRequestError("this model has no tokenizer; send prompt token ids", param="prompt")
         # A worker thread: a 1 MiB prompt takes most of a second to encode (the tokenizer releases
         # the GIL meanwhile), and the event loop serves every other stream in the meantime.
-        self._tokenizing += 1
+        self.tokenizing += 1
         try:
             return await asyncio.to_thread(encode_prompt, tok, request)
         finally:
-            self._tokenizing -= 1
-
-    @property
-    def tokenizing(self) -> int:
-        """Prompts being tokenized now."""
-        return self._tokenizing
+            self.tokenizing -= 1
 
     def tokenizer_spec(self, model: str) -> TokenizerSpec | None:
         if model != self.served_model_name or self.tokenizer is None:

@@ -85,12 +85,12 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, pro
     log = logging.getLogger("engine_native.process")
     last_stats = 0.0
     fault = SetFault()
-    burst_hold_s = config.scheduler.burst_hold_s
+    idle_hold = config.scheduler.burst_hold_s
     try:
         while True:
             stepping = engine.has_unfinished and not fault.stall
             timeout = 0.0 if stepping else IDLE_POLL_S
-            burst = _BurstHold(burst_hold_s if not stepping else 0.0)
+            burst = _NO_HOLD if stepping else _BurstHold(idle_hold)  # only an idle engine holds
             while inbox.poll(timeout):
                 msg = decoder.decode(inbox.recv_bytes())
                 if isinstance(msg, Shutdown):
@@ -134,7 +134,7 @@ class _BurstHold:
     that says more are coming until one says none are, or the hold's time is up."""
 
     def __init__(self, hold_s: float) -> None:
-        self._hold_s = hold_s  # 0: the engine was not idle, or holding is off
+        self._hold_s = hold_s  # 0: holding is off
         self._until: float | None = None
         self._expecting = False
 
@@ -148,6 +148,9 @@ class _BurstHold:
         if not self._expecting or self._until is None:
             return 0.0
         return max(0.0, self._until - time.monotonic())
+
+
+_NO_HOLD = _BurstHold(0.0)  # never holds, never changes: shared by every step of a busy engine
 
 
 def _add(engine: LLMEngine, msg: AddRequest, send: Callable[[EngineMessage], None]) -> None:

@@ -43,9 +43,10 @@ def observe_all(histogram: Histogram, values: Sequence[float]) -> None:
     `observe` each took two locked increments per token (with the by-length samples' draws ~3 µs of
     the gateway's ~75 µs of CPU a streamed token, docs/observability.md "Overhead"). The counts come
     out the same (a value goes to the first bucket whose bound is >= it, as `observe` puts it; values
-    are numbers, never NaN); the sum is added in one piece, so its last bits may differ. prometheus_client has no public call for this: it reaches into its Histogram
-    (`_upper_bounds`, `_buckets`, `_sum`), and tests/observability/test_metrics_bulk.py holds it to
-    `observe`'s exposition, so a release that moves them fails there.
+    are numbers, never NaN); the sum is added in one piece, so its last bits may differ.
+    prometheus_client has no public call for this: it reaches into its Histogram (`_upper_bounds`,
+    `_buckets`, `_sum`), and tests/observability/test_metrics_bulk.py holds it to `observe`'s
+    exposition, so a release that moves them fails there.
     """
     bounds: list[float] = histogram._upper_bounds  # type: ignore[attr-defined]
     counts = [0] * len(bounds)

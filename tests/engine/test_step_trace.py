@@ -64,7 +64,8 @@ def test_the_tail_says_when_it_is_a_burst_split_across_two_steps() -> None:
     assert s.gap_p99_s == 0.2
     assert s.tail_kinds == {"prefill+decode": 42} and s.tail_first_gaps == 42
     # with the first gaps of one stream a wave, the tail is the decode steps again
-    lone = [step(0.1, 0, 72, admitted=1), step(0.5, 1, 504, admitted=7, first_gaps=1)] + [step(0.02, 8) for _ in range(62)]
+    lone = [step(0.1, 0, 72, admitted=1), step(0.5, 1, 504, admitted=7, first_gaps=1)]
+    lone += [step(0.02, 8) for _ in range(62)]
     assert summarize(lone * 7).gap_p99_s == 0.02
 
 
