@@ -37,6 +37,10 @@ class EngineOptions:
     bf16_panel_max_rows: int | None = None
     """Pure-decode steps of up to this many sequences through the native engine's bf16 panel kernel where the
     CPU has AVX-512 BF16 and no AMX; 0: oneDNN only (--bf16-panel-max-rows)."""
+    int8_activation_max_rows: int | None = None
+    """The native engine's steps of at most this many tokens round their activations to int8 blocks of 32 and
+    multiply them by the quantized weights in integer multiply-adds, as llama.cpp does; 0: never, fp32
+    (--int8-activation-max-rows)."""
     num_threads: int | None = None
     """Torch CPU threads per engine; None: torch's choice (--num-threads)."""
     max_model_len: int | None = None

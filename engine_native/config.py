@@ -185,6 +185,13 @@ class EngineConfig:
     # bf16 panels below take the pure-decode steps above it (AVX-512 BF16, no AMX), which from 3 sequences
     # are faster than the blocks' fp32 products (model/llama.py QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS).
     quantized_max_rows: int | None = None
+    # Steps of at most this many tokens (among those) round each token's activations to int8 blocks of 32, one
+    # scale a block, and multiply them by the 4- and 8-bit blocks in integer multiply-adds
+    # (kernels/quant_int8.cpp), as llama.cpp does on CPUs: the single stream's decode ~1.6x faster on an
+    # AVX2-only CPU, at 8-bit activations' accuracy. Not the dense path's products: a request's greedy tokens may
+    # differ from its fp32 ones, and with more sequences beside it (a bigger step computes in fp32). From 4
+    # rows on the fp32 blocks are as fast. 0 (the default): never.
+    int8_activation_max_rows: int = 0
     # Pure-decode steps of more sequences, up to this many, multiply by the Q4_1 blocks through AMX where
     # the CPU has AMX-BF16 (kernels/amx_linear.cpp): the dense path's very bf16 weights, dequantized from
     # 0.625 bytes a weight instead of read at 2. Bigger steps are compute-bound: oneDNN is as fast. Prompts

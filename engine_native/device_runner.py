@@ -59,7 +59,8 @@ class DeviceForward:
             logits = self.model.forward(batch.to(self.device), kv_cache)
         return logits.float()
 
-    def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0) -> int:
+    def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0,
+                         int8_max_rows: int = 0) -> int:
         return 0  # the quantized blocks are a CPU kernel's
 
     def pack_dense(self, batch_hint: int = 32, bf16_panel_max_rows: int = 0) -> int:

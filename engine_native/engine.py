@@ -114,6 +114,7 @@ class LLMEngine:
         # The quantized blocks are a CPU kernel's: off on an accelerator.
         num_quantized = self.loaded.model.enable_quantized(
             quantized_rows if on_cpu else 0, config.amx_max_rows if on_cpu else 0, config.panel_max_rows if on_cpu else 0,
+            int8_max_rows=config.int8_activation_max_rows,
         )
         if num_quantized:
             panel = getattr(self.loaded.model, "panel_max_rows", 0)  # 0 where the panel kernels do not run

@@ -148,6 +148,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         "BF16 dot products where the CPU has them and no AMX (a second copy of the dense weights), 0: oneDNN "
         "only; default: the engine's (256)"
     )
+    p.add_argument(
+        "--int8-activation-max-rows", type=_non_negative_int, default=None,
+        help="the native engine's steps of at most this many tokens (the single stream: 1) round each token's "
+        "activations to int8 blocks of 32 and multiply them by the model's 4- and 8-bit weights in integer "
+        "multiply-adds, as llama.cpp does: faster decodes on CPUs without AVX-512, at 8-bit activations' "
+        "accuracy; default 0: never, fp32 products"
+    )
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="cap on sequences running in one engine step; default: the engine's")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -363,6 +370,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         attention_backend=args.attention_backend,
         prefill_attention_dtype=args.prefill_attention_dtype,
         bf16_panel_max_rows=args.bf16_panel_max_rows,
+        int8_activation_max_rows=args.int8_activation_max_rows,
         num_threads=args.num_threads,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("bindings.cpp", "quant_linear.cpp", "paged_attention.cpp", "fused_decode.cpp",
                                  "elementwise.cpp", "sample.cpp", "amx_linear.cpp",
-                                 "prefill_attention.cpp", "quant_panel.cpp", "bf16_panel.cpp", "panel_decode.cpp")]
+                                 "prefill_attention.cpp", "quant_panel.cpp", "bf16_panel.cpp", "panel_decode.cpp",
+                                 "quant_int8.cpp")]
 _HEADERS = [_HERE / "simd.h", _HERE / "rowops.h", _HERE / "amx.h", _HERE / "balance.h", _HERE / "decode_step.h"]
 
 

@@ -210,17 +210,18 @@ void check_x(const torch::Tensor& x, int64_t k) {
 
 namespace {
 
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm) {
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm, bool int8_activations) {
   check_q4_1_blocks(qs, dm);
   const int64_t n = qs.size(0), k = qs.size(1) * kQuantBlock;
   check_x(x, k);
   auto out = torch::empty({x.size(0), n}, x.options());
-  quant_matmul(QuantFormat::Q4_1, x.data_ptr<float>(), x.size(0), k, qs.data_ptr<uint8_t>(), dm.data_ptr<float>(),
-               n, out.data_ptr<float>());
+  (int8_activations ? quant_matmul_int8 : quant_matmul)(QuantFormat::Q4_1, x.data_ptr<float>(), x.size(0), k,
+                                                         qs.data_ptr<uint8_t>(), dm.data_ptr<float>(), n,
+                                                         out.data_ptr<float>());
   return out;
 }
 
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, bool int8_activations) {
   TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 32 && qs.scalar_type() == torch::kInt8 && qs.is_contiguous(),
               "qs must be a contiguous int8 [N, K/32, 32] tensor");
   TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat32 && d.is_contiguous(),
@@ -228,8 +229,9 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
   const int64_t n = qs.size(0), k = qs.size(1) * kQuantBlock;
   check_x(x, k);
   auto out = torch::empty({x.size(0), n}, x.options());
-  quant_matmul(QuantFormat::Q8_0, x.data_ptr<float>(), x.size(0), k, qs.data_ptr<int8_t>(), d.data_ptr<float>(),
-               n, out.data_ptr<float>());
+  (int8_activations ? quant_matmul_int8 : quant_matmul)(QuantFormat::Q8_0, x.data_ptr<float>(), x.size(0), k,
+                                                         qs.data_ptr<int8_t>(), d.data_ptr<float>(), n,
+                                                         out.data_ptr<float>());
   return out;
 }
 
@@ -238,6 +240,9 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
 
 void register_quant_linear(pybind11::module& m) {
   using namespace sluice;
-  m.def("q4_1_linear", &q4_1_linear, "x [M, K] fp32 @ Q4_1 weight [N, K]^T -> [M, N] fp32");
-  m.def("q8_0_linear", &q8_0_linear, "x [M, K] fp32 @ Q8_0 weight [N, K]^T -> [M, N] fp32");
+  // int8_activations: x's rows rounded to int8 blocks of 32 first (quant_int8.cpp).
+  m.def("q4_1_linear", &q4_1_linear, "x [M, K] fp32 @ Q4_1 weight [N, K]^T -> [M, N] fp32", pybind11::arg("x"),
+        pybind11::arg("qs"), pybind11::arg("dm"), pybind11::arg("int8_activations") = false);
+  m.def("q8_0_linear", &q8_0_linear, "x [M, K] fp32 @ Q8_0 weight [N, K]^T -> [M, N] fp32", pybind11::arg("x"),
+        pybind11::arg("qs"), pybind11::arg("d"), pybind11::arg("int8_activations") = false);
 }

@@ -79,6 +79,9 @@ constexpr int64_t kQuantBlock = 32;
 // out [m, n] = x [m, k] @ W^T, W [n, k] in `format`; rows of W split across ATen's threads.
 void quant_matmul(QuantFormat format, const float* x, int64_t m, int64_t k, const void* qs, const float* scales,
                   int64_t n, float* out);
+// The same with each row of x rounded to int8 blocks of 32 first (quant_int8.cpp): not the fp32 products.
+void quant_matmul_int8(QuantFormat format, const float* x, int64_t m, int64_t k, const void* qs, const float* scales,
+                       int64_t n, float* out);
 
 // Refuses (TORCH_CHECK) anything but a Q4_1 weight's blocks in the layout quant_linear.cpp describes.
 void check_q4_1_blocks(const at::Tensor& qs, const at::Tensor& dm);

@@ -43,11 +43,13 @@ class CausalLM(Protocol):
         [len(batch.logits_indices), vocab_size]."""
         ...
 
-    def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0) -> int:
+    def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0,
+                         int8_max_rows: int = 0) -> int:
         """Multiply by the weights' quantized blocks (when the loader kept them) in steps of at most
         `max_rows` tokens, through AMX in steps of at most `amx_max_rows` where the CPU has it, and
         through the panel kernels in steps of at most `panel_max_rows` where the dense path is fp32;
-        returns how many weight matrices will (0 where unsupported)."""
+        steps of at most `int8_max_rows` tokens (among the blocks') round their activations to int8 blocks of
+        32 (not the fp32 products). Returns how many weight matrices will (0 where unsupported)."""
         ...
 
     def pack_dense(self, batch_hint: int = 32, bf16_panel_max_rows: int = 0) -> int:

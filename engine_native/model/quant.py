@@ -165,15 +165,17 @@ def amx_linear(x: torch.Tensor, w: Q41Weight) -> torch.Tensor:
     return kernels.amx_q4_1_linear(x.to(torch.bfloat16).contiguous(), w.qs, w.dm, True)
 
 
-def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (any float dtype) @ w^T -> [M, N] in x's dtype; needs `kernels_available()`."""
+def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+                 int8_activations: bool = False) -> torch.Tensor:
+    """x [M, K] (any float dtype) @ w^T -> [M, N] in x's dtype; needs `kernels_available()`. With
+    `int8_activations` each row of x is rounded to int8 blocks of 32 first (kernels/quant_int8.cpp)."""
     kernels = _kernels()
     assert kernels is not None
     xf = x.float().contiguous()
     if isinstance(w, Q41Weight):
-        y = kernels.q4_1_linear(xf, w.qs, w.dm)
+        y = kernels.q4_1_linear(xf, w.qs, w.dm, int8_activations)
     else:
-        y = kernels.q8_0_linear(xf, w.qs, w.d)
+        y = kernels.q8_0_linear(xf, w.qs, w.d, int8_activations)
     if bias is not None:
         y = y + bias
     return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -99,7 +99,8 @@ class TensorParallelLlama(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, torch.float32
         )
 
-    def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0) -> int:
+    def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0,
+                         int8_max_rows: int = 0) -> int:
         return 0  # dense only (see the module docstring)
 
     def pack_dense(self, batch_hint: int = 32, bf16_panel_max_rows: int = 0) -> int:

@@ -95,3 +95,12 @@ def test_the_burst_hold_flag_reaches_the_engine_in_seconds_and_a_negative_one_is
     for bad in ("-1", "nan", "x"):
         with pytest.raises(SystemExit):
             serve_options(["--burst-hold-ms", bad])
+
+
+def test_the_int8_activation_flag_reaches_every_engine_and_a_negative_one_is_refused() -> None:
+    config = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--int8-activation-max-rows", "1"]))
+    assert [config.engine_config(i).int8_activation_max_rows for i in range(2)] == [1, 1]
+    assert NativeDriverConfig.from_options(serve_options([])).engine.int8_activation_max_rows == 0
+    for bad in ("-1", "x", "1.5"):
+        with pytest.raises(SystemExit):
+            serve_options(["--int8-activation-max-rows", bad])
