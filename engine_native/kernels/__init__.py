@@ -14,6 +14,7 @@ What each function computes is written at the top of its source file:
     quant_panel.cpp      q4_1_panel_linear, q8_0_panel_linear: x @ W^T for 9 to a few hundred rows, AVX-512, fp32 hosts
     bf16_panel.cpp       bf16_panel_linear: x @ W^T for decode steps of 9 to a few hundred rows, dense bf16 weights, AVX-512 BF16
     panel_decode.cpp     DecodeLayers: a pure-decode step's layers in one call where the bf16 panels or AMX take its GEMMs
+    quant_int8.cpp       quant_matmul_int8: the quant_linear products with x rounded to int8 blocks (opt-in)
 
 The build goes through torch.utils.cpp_extension (ninja, the host's g++) into
 ~/.cache/sluice/kernels/<key>, where the key covers the source, torch's version and this CPU's

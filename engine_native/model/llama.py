@@ -214,7 +214,8 @@ class DecoderLayer(nn.Module):
         """Multiply by the kept blocks in steps of at most `max_rows` tokens, by the Q4_1 ones through
         AMX in steps of at most `amx_max_rows` (the caller checked AMX and bf16), and by all of them
         through the panel kernels in steps of at most `panel_max_rows` (the caller checked the kernels and
-        fp32); returns how many matrices."""
+        fp32); the blocks' steps of at most `int8_max_rows` tokens round their activations to int8 blocks.
+        Returns how many matrices."""
         self.quantized = dict(self._available) if max_rows > 0 else {}
         self.quantized_max_rows = max_rows
         self.int8_max_rows = int8_max_rows
