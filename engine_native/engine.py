@@ -118,8 +118,10 @@ class LLMEngine:
         )
         if num_quantized:
             panel = getattr(self.loaded.model, "panel_max_rows", 0)  # 0 where the panel kernels do not run
-            log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices%s",
-                     quantized_rows, num_quantized, f" (<= {panel} through the panel kernels)" if panel else "")
+            int8_rows = getattr(self.loaded.model, "int8_max_rows", 0)
+            log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices%s%s",
+                     quantized_rows, num_quantized, f" (<= {panel} through the panel kernels)" if panel else "",
+                     f"; steps of <= {int8_rows} round their activations to int8" if int8_rows > 0 else "")
         # The quantized steps (and the fused decoder among them) attend through Sluice's kernels, which
         # take an fp32 cache anywhere and a bf16 one on AVX-512; bf16 halves the bytes a decode reads.
         default_kv_dtype = self.loaded.dtype

@@ -1,6 +1,6 @@
-// The block products of quant_linear.cpp with the activations rounded to int8 blocks of 32 (opt-in:
-// EngineConfig.int8_activations), as llama.cpp multiplies its Q4_1 and Q8_0 weights (by Q8_1 and Q8_0
-// activation blocks) on CPUs.
+// The block products of quant_linear.cpp with the activations rounded to int8 blocks of 32 (opt-in, in steps
+// of at most EngineConfig.int8_activation_max_rows tokens), as llama.cpp multiplies its Q4_1 and Q8_0 weights
+// (by Q8_1 and Q8_0 activation blocks) on CPUs.
 //
 // Without AVX-512, dequantizing a block of 32 weights to fp32 (unpack, widen, convert, scale) costs more
 // instructions than multiplying it by the activations, and a step of one or a few tokens is bound by
