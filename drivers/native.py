@@ -125,7 +125,8 @@ class NativeDriverConfig:
             **overrides(dtype=o.dtype, num_threads=o.num_threads, max_model_len=o.max_model_len, device=o.device,
                         attention_backend=o.attention_backend, prefill_attention_dtype=o.prefill_attention_dtype,
                         bf16_panel_max_rows=o.bf16_panel_max_rows,
-                        int8_activation_max_rows=o.int8_activation_max_rows),
+                        int8_activation_max_rows=o.int8_activation_max_rows,
+                        int16_activation_max_rows=o.int16_activation_max_rows),
         )
         return cls(
             engine=engine,

@@ -41,6 +41,9 @@ class EngineOptions:
     """The native engine's steps of at most this many tokens round their activations to int8 blocks of 32 and
     multiply them by the quantized weights in integer multiply-adds, as llama.cpp does; 0: never, fp32
     (--int8-activation-max-rows)."""
+    int16_activation_max_rows: int | None = None
+    """The native engine's steps of at most this many tokens round their activations to int16 blocks of 32; 0:
+    never; None: the engine's default, by CPU (--int16-activation-max-rows)."""
     num_threads: int | None = None
     """Torch CPU threads per engine; None: torch's choice (--num-threads)."""
     max_model_len: int | None = None

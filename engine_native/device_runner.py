@@ -17,6 +17,7 @@ from engine_native.cuda_graphs import DecodeGraphs
 from engine_native.forward_batch import ForwardBatch, KVCache
 from engine_native.model.attention_backends import AttentionBackend
 from engine_native.model.base import CausalLM
+from engine_native.model.quant import NO_ROUNDING, ActivationRounding
 
 
 class DeviceForward:
@@ -60,7 +61,7 @@ class DeviceForward:
         return logits.float()
 
     def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0,
-                         int8_max_rows: int = 0) -> int:
+                         rounding: ActivationRounding = NO_ROUNDING) -> int:
         return 0  # the quantized blocks are a CPU kernel's
 
     def pack_dense(self, batch_hint: int = 32, bf16_panel_max_rows: int = 0) -> int:

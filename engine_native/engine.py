@@ -36,6 +36,7 @@ from engine_native.model.llama import (
     kernels_take_bf16_cache,
 )
 from engine_native.model.loader import load_model
+from engine_native.model.quant import INT16_ACTIVATION_MAX_ROWS, NO_ROUNDING, ActivationRounding, int16_activations_pay
 from engine_native.precision import parse_dtype
 from engine_native.request import Request, RequestStatus
 from engine_native.runner import ModelRunner
@@ -112,16 +113,22 @@ class LLMEngine:
             quantized_rows = (QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS if panel_rows > QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS
                               else QUANTIZED_MAX_ROWS)
         # The quantized blocks are a CPU kernel's: off on an accelerator.
+        int16_rows = config.int16_activation_max_rows
+        if int16_rows is None:
+            int16_rows = INT16_ACTIVATION_MAX_ROWS if int16_activations_pay() else 0
         num_quantized = self.loaded.model.enable_quantized(
             quantized_rows if on_cpu else 0, config.amx_max_rows if on_cpu else 0, config.panel_max_rows if on_cpu else 0,
-            int8_max_rows=config.int8_activation_max_rows,
+            rounding=ActivationRounding(int16_rows, config.int8_activation_max_rows),
         )
         if num_quantized:
             panel = getattr(self.loaded.model, "panel_max_rows", 0)  # 0 where the panel kernels do not run
-            int8_rows = getattr(self.loaded.model, "int8_max_rows", 0)
-            log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices%s%s",
+            rounding = getattr(self.loaded.model, "rounding", NO_ROUNDING)
+            log.info("steps of <= %d tokens multiply by the quantized blocks of %d weight matrices%s%s%s",
                      quantized_rows, num_quantized, f" (<= {panel} through the panel kernels)" if panel else "",
-                     f"; steps of <= {int8_rows} round their activations to int8" if int8_rows > 0 else "")
+                     f"; steps of <= {rounding.int8_max_rows} round their activations to int8"
+                     if rounding.int8_max_rows > 0 else "",
+                     f"; steps of <= {rounding.int16_max_rows} to int16"
+                     if rounding.int16_max_rows > rounding.int8_max_rows else "")
         # The quantized steps (and the fused decoder among them) attend through Sluice's kernels, which
         # take an fp32 cache anywhere and a bf16 one on AVX-512; bf16 halves the bytes a decode reads.
         default_kv_dtype = self.loaded.dtype

@@ -155,6 +155,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         "multiply-adds, as llama.cpp does: faster decodes on CPUs without AVX-512, at 8-bit activations' "
         "accuracy; default 0: never, fp32 products"
     )
+    p.add_argument(
+        "--int16-activation-max-rows", type=_non_negative_int, default=None,
+        help="the native engine's steps of at most this many tokens round each token's activations to int16 "
+        "blocks of 32 (65,535 steps of the block's largest magnitude) and multiply them in integer multiply-adds; "
+        "0: fp32 products; default: 2 on CPUs without AVX-512, 0 on those with it"
+    )
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="cap on sequences running in one engine step; default: the engine's")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -371,6 +377,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         prefill_attention_dtype=args.prefill_attention_dtype,
         bf16_panel_max_rows=args.bf16_panel_max_rows,
         int8_activation_max_rows=args.int8_activation_max_rows,
+        int16_activation_max_rows=args.int16_activation_max_rows,
         num_threads=args.num_threads,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

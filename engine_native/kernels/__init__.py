@@ -14,7 +14,7 @@ What each function computes is written at the top of its source file:
     quant_panel.cpp      q4_1_panel_linear, q8_0_panel_linear: x @ W^T for 9 to a few hundred rows, AVX-512, fp32 hosts
     bf16_panel.cpp       bf16_panel_linear: x @ W^T for decode steps of 9 to a few hundred rows, dense bf16 weights, AVX-512 BF16
     panel_decode.cpp     DecodeLayers: a pure-decode step's layers in one call where the bf16 panels or AMX take its GEMMs
-    quant_int8.cpp       quant_matmul_int8: the quant_linear products with x rounded to int8 blocks (opt-in)
+    quant_rounded.cpp    quant_matmul_int16/_int8: the quant_linear products with x rounded to int16 or int8 blocks
 
 The build goes through torch.utils.cpp_extension (ninja, the host's g++) into
 ~/.cache/sluice/kernels/<key>, where the key covers the source, torch's version and this CPU's
@@ -47,7 +47,7 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("bindings.cpp", "quant_linear.cpp", "paged_attention.cpp", "fused_decode.cpp",
                                  "elementwise.cpp", "sample.cpp", "amx_linear.cpp",
                                  "prefill_attention.cpp", "quant_panel.cpp", "bf16_panel.cpp", "panel_decode.cpp",
-                                 "quant_int8.cpp")]
+                                 "quant_rounded.cpp")]
 _HEADERS = [_HERE / "simd.h", _HERE / "rowops.h", _HERE / "amx.h", _HERE / "balance.h", _HERE / "decode_step.h"]
 
 

@@ -12,7 +12,8 @@
 //
 // Results equal the PyTorch path's up to the order of floating-point additions. In steps of at most
 // `int8_max_rows` sequences (opt-in, EngineConfig.int8_activation_max_rows) every product rounds its input rows
-// to int8 blocks first (quant_int8.cpp), as the PyTorch path's block products then do.
+// to int8 blocks first, else in steps of at most `int16_max_rows` (EngineConfig.int16_activation_max_rows) to
+// int16 blocks (quant_rounded.cpp), as the PyTorch path's block products then do.
 #include <torch/extension.h>
 
 #include <cmath>
@@ -30,9 +31,8 @@ struct Matrix {
   torch::Tensor qs, scales;  // kept alive here; the model owns the same storage
   int64_t n = 0, k = 0;
 
-  // int8: x's rows rounded to int8 blocks first (quant_int8.cpp).
-  void apply(const float* x, int64_t m, float* out, bool int8) const {
-    (int8 ? quant_matmul_int8 : quant_matmul)(format, x, m, k, qs.data_ptr(), scales.data_ptr<float>(), n, out);
+  void apply(const float* x, int64_t m, float* out, Activations activations) const {
+    quant_matmul(activations, format, x, m, k, qs.data_ptr(), scales.data_ptr<float>(), n, out);
   }
 };
 
@@ -53,9 +53,10 @@ class FusedDecoder {
                std::vector<int64_t> formats, std::vector<torch::Tensor> qs, std::vector<torch::Tensor> scales,
                std::vector<torch::Tensor> qkv_bias, std::vector<torch::Tensor> norms, torch::Tensor final_norm,
                std::vector<torch::Tensor> k_cache, std::vector<torch::Tensor> v_cache, torch::Tensor cos,
-               torch::Tensor sin, int64_t int8_max_rows)
+               torch::Tensor sin, int64_t int16_max_rows, int64_t int8_max_rows)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), d_(head_dim), inter_(intermediate),
-        eps_(static_cast<float>(eps)), int8_max_rows_(int8_max_rows), final_norm_(final_norm), k_cache_(k_cache),
+        eps_(static_cast<float>(eps)), int16_max_rows_(int16_max_rows), int8_max_rows_(int8_max_rows),
+        final_norm_(final_norm), k_cache_(k_cache),
         v_cache_(v_cache), cos_(cos), sin_(sin) {
     layers_ = static_cast<int64_t>(k_cache.size());
     TORCH_CHECK(hidden % 8 == 0 && head_dim % 16 == 0 && intermediate % 8 == 0, "sizes must be multiples of 8");
@@ -110,14 +111,16 @@ class FusedDecoder {
         gu(m * 2 * inter_), act(m * inter_);
     const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
     const bool bf16 = k_cache_[0].scalar_type() == torch::kBFloat16;
-    const bool int8 = m <= int8_max_rows_;
+    const Activations rounding = m <= int8_max_rows_    ? Activations::INT8
+                                 : m <= int16_max_rows_ ? Activations::INT16
+                                                        : Activations::FP32;
     for (int64_t l = 0; l < layers_; ++l) {
       void* kc = k_cache_[l].data_ptr();
       void* vc = v_cache_[l].data_ptr();
       const float* w_in = norms_[2 * l].data_ptr<float>();
       const float* w_post = norms_[2 * l + 1].data_ptr<float>();
       for (int64_t i = 0; i < m; ++i) rmsnorm(xr + i * hidden_, w_in, hidden_, eps_, h.data() + i * hidden_);
-      mats_[4 * l].apply(h.data(), m, qkv.data(), int8);
+      mats_[4 * l].apply(h.data(), m, qkv.data(), rounding);
       for (int64_t i = 0; i < m; ++i) {
         float* row = qkv.data() + i * qkv_n;
         if (!bias_.empty()) add_inplace(row, bias_[l].data_ptr<float>(), qkv_n);
@@ -144,27 +147,29 @@ class FusedDecoder {
         paged_decode(q.data(), m, heads_, d_, static_cast<const float*>(kc), static_cast<const float*>(vc),
                      num_blocks, bs, kv_heads_, tables, max_blocks, lens, scale, attn.data());
       }
-      mats_[4 * l + 1].apply(attn.data(), m, delta.data(), int8);
+      mats_[4 * l + 1].apply(attn.data(), m, delta.data(), rounding);
       add_inplace(xr, delta.data(), m * hidden_);
       for (int64_t i = 0; i < m; ++i) rmsnorm(xr + i * hidden_, w_post, hidden_, eps_, h.data() + i * hidden_);
-      mats_[4 * l + 2].apply(h.data(), m, gu.data(), int8);
+      mats_[4 * l + 2].apply(h.data(), m, gu.data(), rounding);
       for (int64_t i = 0; i < m; ++i)
         silu_mul(gu.data() + i * 2 * inter_, gu.data() + i * 2 * inter_ + inter_, inter_, act.data() + i * inter_);
-      mats_[4 * l + 3].apply(act.data(), m, delta.data(), int8);
+      mats_[4 * l + 3].apply(act.data(), m, delta.data(), rounding);
       add_inplace(xr, delta.data(), m * hidden_);
     }
     for (int64_t i = 0; i < m; ++i)
       rmsnorm(xr + i * hidden_, final_norm_.data_ptr<float>(), hidden_, eps_, h.data() + i * hidden_);
     const Matrix& lm = mats_.back();
     auto logits = torch::empty({m, lm.n}, x.options());
-    lm.apply(h.data(), m, logits.data_ptr<float>(), int8);
+    lm.apply(h.data(), m, logits.data_ptr<float>(), rounding);
     return logits;
   }
 
  private:
   int64_t hidden_, heads_, kv_heads_, d_, inter_, layers_ = 0;
   float eps_;
-  int64_t int8_max_rows_;  // steps of at most this many rows round their activations to int8 blocks
+  // Steps of at most int8_max_rows_ rows round their activations to int8 blocks, else of at most int16_max_rows_
+  // to int16 blocks.
+  int64_t int16_max_rows_, int8_max_rows_;
   std::vector<Matrix> mats_;
   std::vector<torch::Tensor> norms_, bias_;
   torch::Tensor final_norm_;
@@ -179,6 +184,6 @@ void register_fused_decode(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, std::vector<int64_t>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, torch::Tensor, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t>())
+                          std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t, int64_t>())
       .def("forward", &sluice::FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -210,18 +210,22 @@ void check_x(const torch::Tensor& x, int64_t k) {
 
 namespace {
 
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm, bool int8_activations) {
+Activations activations_arg(int64_t activations) {
+  TORCH_CHECK(activations >= 0 && activations <= 2, "activations must be 0 (fp32), 1 (int16) or 2 (int8)");
+  return static_cast<Activations>(activations);
+}
+
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor dm, int64_t activations) {
   check_q4_1_blocks(qs, dm);
   const int64_t n = qs.size(0), k = qs.size(1) * kQuantBlock;
   check_x(x, k);
   auto out = torch::empty({x.size(0), n}, x.options());
-  (int8_activations ? quant_matmul_int8 : quant_matmul)(QuantFormat::Q4_1, x.data_ptr<float>(), x.size(0), k,
-                                                         qs.data_ptr<uint8_t>(), dm.data_ptr<float>(), n,
-                                                         out.data_ptr<float>());
+  quant_matmul(activations_arg(activations), QuantFormat::Q4_1, x.data_ptr<float>(), x.size(0), k,
+               qs.data_ptr<uint8_t>(), dm.data_ptr<float>(), n, out.data_ptr<float>());
   return out;
 }
 
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, bool int8_activations) {
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, int64_t activations) {
   TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 32 && qs.scalar_type() == torch::kInt8 && qs.is_contiguous(),
               "qs must be a contiguous int8 [N, K/32, 32] tensor");
   TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat32 && d.is_contiguous(),
@@ -229,9 +233,8 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, bo
   const int64_t n = qs.size(0), k = qs.size(1) * kQuantBlock;
   check_x(x, k);
   auto out = torch::empty({x.size(0), n}, x.options());
-  (int8_activations ? quant_matmul_int8 : quant_matmul)(QuantFormat::Q8_0, x.data_ptr<float>(), x.size(0), k,
-                                                         qs.data_ptr<int8_t>(), d.data_ptr<float>(), n,
-                                                         out.data_ptr<float>());
+  quant_matmul(activations_arg(activations), QuantFormat::Q8_0, x.data_ptr<float>(), x.size(0), k,
+               qs.data_ptr<int8_t>(), d.data_ptr<float>(), n, out.data_ptr<float>());
   return out;
 }
 
@@ -240,9 +243,14 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, bo
 
 void register_quant_linear(pybind11::module& m) {
   using namespace sluice;
-  // int8_activations: x's rows rounded to int8 blocks of 32 first (quant_int8.cpp).
+#ifdef __AVX512F__
+  m.attr("BLOCKS_ON_16_LANES") = true;  // the fp32 block products decode a block into two vectors of 16
+#else
+  m.attr("BLOCKS_ON_16_LANES") = false;
+#endif
+  // activations: 0 fp32; 1, 2: x's rows rounded to int16 or int8 blocks of 32 first (quant_rounded.cpp).
   m.def("q4_1_linear", &q4_1_linear, "x [M, K] fp32 @ Q4_1 weight [N, K]^T -> [M, N] fp32", pybind11::arg("x"),
-        pybind11::arg("qs"), pybind11::arg("dm"), pybind11::arg("int8_activations") = false);
+        pybind11::arg("qs"), pybind11::arg("dm"), pybind11::arg("activations") = 0);
   m.def("q8_0_linear", &q8_0_linear, "x [M, K] fp32 @ Q8_0 weight [N, K]^T -> [M, N] fp32", pybind11::arg("x"),
-        pybind11::arg("qs"), pybind11::arg("d"), pybind11::arg("int8_activations") = false);
+        pybind11::arg("qs"), pybind11::arg("d"), pybind11::arg("activations") = 0);
 }

@@ -79,9 +79,24 @@ constexpr int64_t kQuantBlock = 32;
 // out [m, n] = x [m, k] @ W^T, W [n, k] in `format`; rows of W split across ATen's threads.
 void quant_matmul(QuantFormat format, const float* x, int64_t m, int64_t k, const void* qs, const float* scales,
                   int64_t n, float* out);
-// The same with each row of x rounded to int8 blocks of 32 first (quant_int8.cpp): not the fp32 products.
+// The same with each row of x rounded to int16 or int8 blocks of 32 first (quant_rounded.cpp): not the fp32 products.
+void quant_matmul_int16(QuantFormat format, const float* x, int64_t m, int64_t k, const void* qs, const float* scales,
+                        int64_t n, float* out);
 void quant_matmul_int8(QuantFormat format, const float* x, int64_t m, int64_t k, const void* qs, const float* scales,
                        int64_t n, float* out);
+
+// How a block product takes its activations: as they are (fp32), or each row rounded to integer blocks first.
+// The values are model/quant.py's Activations.
+enum class Activations : int64_t { FP32 = 0, INT16 = 1, INT8 = 2 };
+
+inline void quant_matmul(Activations activations, QuantFormat format, const float* x, int64_t m, int64_t k,
+                         const void* qs, const float* scales, int64_t n, float* out) {
+  switch (activations) {
+    case Activations::INT16: quant_matmul_int16(format, x, m, k, qs, scales, n, out); break;
+    case Activations::INT8: quant_matmul_int8(format, x, m, k, qs, scales, n, out); break;
+    default: quant_matmul(format, x, m, k, qs, scales, n, out); break;
+  }
+}
 
 // Refuses (TORCH_CHECK) anything but a Q4_1 weight's blocks in the layout quant_linear.cpp describes.
 void check_q4_1_blocks(const at::Tensor& qs, const at::Tensor& dm);

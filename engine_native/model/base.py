@@ -15,6 +15,7 @@ import torch
 from engine_native.config import ModelConfig
 from engine_native.forward_batch import ForwardBatch, KVCache
 from engine_native.model.attention_backends import AttentionBackend
+from engine_native.model.quant import NO_ROUNDING, ActivationRounding
 
 
 class ModelLoadError(Exception):
@@ -44,12 +45,12 @@ class CausalLM(Protocol):
         ...
 
     def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0,
-                         int8_max_rows: int = 0) -> int:
+                         rounding: ActivationRounding = NO_ROUNDING) -> int:
         """Multiply by the weights' quantized blocks (when the loader kept them) in steps of at most
         `max_rows` tokens, through AMX in steps of at most `amx_max_rows` where the CPU has it, and
         through the panel kernels in steps of at most `panel_max_rows` where the dense path is fp32;
-        steps of at most `int8_max_rows` tokens (among the blocks') round their activations to int8 blocks of
-        32 (not the fp32 products). Returns how many weight matrices will (0 where unsupported)."""
+        the blocks' steps round their activations to integer blocks of 32 as `rounding` says (not the fp32
+        products). Returns how many weight matrices will (0 where unsupported)."""
         ...
 
     def pack_dense(self, batch_hint: int = 32, bf16_panel_max_rows: int = 0) -> int:

@@ -44,6 +44,8 @@ from engine_native.model.bf16_panel import (
     to_bf16_panel,
 )
 from engine_native.model.quant import (
+    NO_ROUNDING,
+    ActivationRounding,
     PanelWeight,
     Q41Weight,
     Q80Weight,
@@ -174,8 +176,8 @@ class DecoderLayer(nn.Module):
         # Blocks used for steps of at most `quantized_max_rows` tokens; empty = dense only.
         self.quantized: dict[str, QuantWeight] = {}
         self.quantized_max_rows = 0
-        # Block steps of at most this many tokens round their activations to int8 blocks (enable_quantized).
-        self.int8_max_rows = 0
+        # Which block steps round their activations to integer blocks (enable_quantized).
+        self.rounding = NO_ROUNDING
         # Q4_1 blocks multiplied through AMX in steps of more than quantized_max_rows, up to amx_max_rows.
         self.amx: dict[str, Q41Weight] = {}
         self.amx_max_rows = 0
@@ -210,15 +212,14 @@ class DecoderLayer(nn.Module):
         return len(_DENSE)
 
     def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0,
-                         int8_max_rows: int = 0) -> int:
+                         rounding: ActivationRounding = NO_ROUNDING) -> int:
         """Multiply by the kept blocks in steps of at most `max_rows` tokens, by the Q4_1 ones through
         AMX in steps of at most `amx_max_rows` (the caller checked AMX and bf16), and by all of them
         through the panel kernels in steps of at most `panel_max_rows` (the caller checked the kernels and
-        fp32); the blocks' steps of at most `int8_max_rows` tokens round their activations to int8 blocks.
-        Returns how many matrices."""
+        fp32); the blocks' steps round their activations as `rounding` says. Returns how many matrices."""
         self.quantized = dict(self._available) if max_rows > 0 else {}
         self.quantized_max_rows = max_rows
-        self.int8_max_rows = int8_max_rows
+        self.rounding = rounding
         # The AMX kernel takes no bias: a Qwen2 qkv stays on the dense GEMM.
         self.amx = {
             name: w for name, w in self._available.items()
@@ -241,7 +242,7 @@ class DecoderLayer(nn.Module):
         rows = x.shape[0] if step_rows is None else step_rows
         kernel = self._kernel(name, rows, pure_decode)
         if kernel == "blocks":
-            return quant_linear(x, self.quantized[name], bias, int8_activations=rows <= self.int8_max_rows)
+            return quant_linear(x, self.quantized[name], bias, activations=self.rounding.for_rows(rows))
         if kernel == "panel":
             return panel_linear(x, self.panel[name], bias)
         if kernel == "amx":
@@ -375,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_bf16_panel: Bf16Panel | None = None
         self.bf16_panel_max_rows = 0
         self.quantized_max_rows = 0
-        self.int8_max_rows = 0  # block steps of at most this many tokens round activations to int8 (enable_quantized)
+        self.rounding = NO_ROUNDING  # which block steps round their activations (enable_quantized)
         self.amx_max_rows = 0  # where the CPU and the weights take AMX's kernel (enable_quantized)
         self._fused: Any | None = None  # kernels.FusedDecoder, built at the first step that can use it
         self._fused_key: int | None = None
@@ -394,13 +395,13 @@ class LlamaForCausalLM(nn.Module):
         self._check_shapes()
 
     def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0,
-                         int8_max_rows: int = 0) -> int:
+                         rounding: ActivationRounding = NO_ROUNDING) -> int:
         """Multiply by the GGUF blocks the loader kept in steps of at most `max_rows` tokens (0: never),
         by the Q4_1 ones through AMX in steps of at most `amx_max_rows` where the dense weights are
         bf16 (the AMX path's values are theirs) and the CPU has AMX-BF16, and through the panel kernels
         in steps of at most `panel_max_rows` where the dense weights are fp32 (their values too) and the
-        kernels built; steps of at most `int8_max_rows` tokens among the blocks' (the fused decoder's too)
-        round their activations to int8 blocks of 32 (kernels/quant_int8.cpp). Returns the number of weight
+        kernels built; the blocks' steps (the fused decoder's too) round their activations to integer blocks
+        of 32 as `rounding` says (kernels/quant_rounded.cpp). Returns the number of weight
         matrices that will; 0 where the kernels cannot run here."""
         if max_rows <= 0 or not kernels_available():
             max_rows = 0
@@ -409,7 +410,7 @@ class LlamaForCausalLM(nn.Module):
         if not (panel_max_rows > max_rows and self.dtype == torch.float32 and kernels_available()):
             panel_max_rows = 0
         self.quantized_max_rows = max_rows
-        self.int8_max_rows = min(int8_max_rows, max_rows)
+        self.rounding = rounding.within(max_rows)
         self.lm_head_quantized = self._lm_head_available if max_rows else None
         lm_head = self._lm_head_available
         self.lm_head_panel = None
@@ -419,7 +420,7 @@ class LlamaForCausalLM(nn.Module):
         self.amx_max_rows = amx_max_rows
         self._fused, self._fused_key = None, None
         layers = sum(layer.enable_quantized(max_rows, amx_max_rows, panel_max_rows,  # type: ignore[operator]
-                                            self.int8_max_rows)
+                                            self.rounding)
                      for layer in self.layers)
         return layers + (self.lm_head_quantized is not None or self.lm_head_panel is not None)
 
@@ -491,7 +492,7 @@ class LlamaForCausalLM(nn.Module):
         return kernels.FusedDecoder(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
             formats, qs, scales, biases, norms, self.final_norm.data, kv_cache.k, kv_cache.v,
-            self.rope.cos, self.rope.sin, self.int8_max_rows,
+            self.rope.cos, self.rope.sin, self.rounding.int16_max_rows, self.rounding.int8_max_rows,
         )
 
     def _layer_decoder_for(self, batch: ForwardBatch, kv_cache: KVCache) -> Any | None:
@@ -593,7 +594,7 @@ class LlamaForCausalLM(nn.Module):
         # Norm and lm_head only on the rows whose logits are wanted: the vocab GEMM dominates.
         h = F.rms_norm(h, (h.shape[-1],), self.final_norm, self.config.rms_norm_eps)
         if self.lm_head_quantized is not None and h.shape[0] <= self.quantized_max_rows:
-            return quant_linear(h, self.lm_head_quantized, int8_activations=batch.num_tokens <= self.int8_max_rows)
+            return quant_linear(h, self.lm_head_quantized, activations=self.rounding.for_rows(batch.num_tokens))
         if self.lm_head_panel is not None and h.shape[0] <= self.panel_max_rows:
             return panel_linear(h, self.lm_head_panel)
         if self.lm_head_bf16_panel is not None and pure_decode and h.shape[0] <= self.bf16_panel_max_rows:

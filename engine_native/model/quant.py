@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 import torch
@@ -165,17 +166,61 @@ def amx_linear(x: torch.Tensor, w: Q41Weight) -> torch.Tensor:
     return kernels.amx_q4_1_linear(x.to(torch.bfloat16).contiguous(), w.qs, w.dm, True)
 
 
+class Activations(IntEnum):
+    """How a block product takes its activations (kernels/quant_rounded.cpp; the kernels' values): as they are, or
+    each row rounded to integer blocks of 32, one scale a block, first."""
+
+    FP32 = 0
+    INT16 = 1  # 65,535 steps of the block's largest magnitude: half a step is 1.5e-5 of it
+    INT8 = 2  # 255 steps: 8-bit activations' accuracy
+
+
+@dataclass(frozen=True)
+class ActivationRounding:
+    """Which steps of the block products round their activations: steps of at most `int8_max_rows` tokens to int8
+    blocks, else of at most `int16_max_rows` to int16 blocks, the rest not at all."""
+
+    int16_max_rows: int = 0
+    int8_max_rows: int = 0
+
+    def for_rows(self, rows: int) -> Activations:
+        if rows <= self.int8_max_rows:
+            return Activations.INT8
+        if rows <= self.int16_max_rows:
+            return Activations.INT16
+        return Activations.FP32
+
+    def within(self, max_rows: int) -> ActivationRounding:
+        """The same for steps the blocks take (at most `max_rows` tokens)."""
+        return ActivationRounding(min(self.int16_max_rows, max_rows), min(self.int8_max_rows, max_rows))
+
+
+NO_ROUNDING = ActivationRounding()  # every block product in fp32
+
+# Steps of at most this many tokens round their activations to int16 blocks by default where that pays
+# (int16_activations_pay). In-process on a 2-core AVX2-only EPYC (Zen 3), the bundled model's block products
+# int16 against fp32: see docs/engine.md.
+INT16_ACTIVATION_MAX_ROWS = 2
+
+
+def int16_activations_pay() -> bool:
+    """Whether int16 activations make the block products faster here: measured so where the kernels decode a block
+    on 8 lanes (no AVX-512); on AVX-512 the fp32 products decode on 16 and were not measured against them."""
+    kernels = _kernels()
+    return kernels is not None and not bool(getattr(kernels, "BLOCKS_ON_16_LANES", True))
+
+
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-                 int8_activations: bool = False) -> torch.Tensor:
-    """x [M, K] (any float dtype) @ w^T -> [M, N] in x's dtype; needs `kernels_available()`. With
-    `int8_activations` each row of x is rounded to int8 blocks of 32 first (kernels/quant_int8.cpp)."""
+                 activations: Activations = Activations.FP32) -> torch.Tensor:
+    """x [M, K] (any float dtype) @ w^T -> [M, N] in x's dtype; needs `kernels_available()`. With INT16 or INT8
+    `activations` each row of x is rounded to integer blocks of 32 first (kernels/quant_rounded.cpp)."""
     kernels = _kernels()
     assert kernels is not None
     xf = x.float().contiguous()
     if isinstance(w, Q41Weight):
-        y = kernels.q4_1_linear(xf, w.qs, w.dm, int8_activations)
+        y = kernels.q4_1_linear(xf, w.qs, w.dm, int(activations))
     else:
-        y = kernels.q8_0_linear(xf, w.qs, w.d, int8_activations)
+        y = kernels.q8_0_linear(xf, w.qs, w.d, int(activations))
     if bias is not None:
         y = y + bias
     return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -36,6 +36,7 @@ from engine_native.forward_batch import ForwardBatch, KVCache
 from engine_native.model.attention import AttentionPlan
 from engine_native.model.attention_backends import AttentionBackend
 from engine_native.model.llama import DecoderLayer, cache_in_kernels
+from engine_native.model.quant import NO_ROUNDING, ActivationRounding
 from engine_native.model.rope import RotaryTable
 from engine_native.parallel.comm import CollectiveClock
 from engine_native.parallel.micro_batch import split_micro_batches
@@ -100,7 +101,7 @@ class TensorParallelLlama(nn.Module):
         )
 
     def enable_quantized(self, max_rows: int, amx_max_rows: int = 0, panel_max_rows: int = 0,
-                         int8_max_rows: int = 0) -> int:
+                         rounding: ActivationRounding = NO_ROUNDING) -> int:
         return 0  # dense only (see the module docstring)
 
     def pack_dense(self, batch_hint: int = 32, bf16_panel_max_rows: int = 0) -> int:

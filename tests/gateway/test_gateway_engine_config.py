@@ -104,3 +104,12 @@ def test_the_int8_activation_flag_reaches_every_engine_and_a_negative_one_is_ref
     for bad in ("-1", "x", "1.5"):
         with pytest.raises(SystemExit):
             serve_options(["--int8-activation-max-rows", bad])
+
+
+def test_the_int16_activation_flag_reaches_every_engine_and_unset_leaves_the_engines_default() -> None:
+    config = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--int16-activation-max-rows", "0"]))
+    assert [config.engine_config(i).int16_activation_max_rows for i in range(2)] == [0, 0]
+    assert NativeDriverConfig.from_options(serve_options([])).engine.int16_activation_max_rows is None  # by CPU
+    for bad in ("-1", "x", "1.5"):
+        with pytest.raises(SystemExit):
+            serve_options(["--int16-activation-max-rows", bad])
