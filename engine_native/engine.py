@@ -36,7 +36,12 @@ from engine_native.model.llama import (
     kernels_take_bf16_cache,
 )
 from engine_native.model.loader import load_model
-from engine_native.model.quant import INT16_ACTIVATION_MAX_ROWS, NO_ROUNDING, ActivationRounding, int16_activations_pay
+from engine_native.model.quant import (
+    INT16_ACTIVATION_MAX_ROWS,
+    NO_ROUNDING,
+    ActivationRounding,
+    int16_activations_pay,
+)
 from engine_native.precision import parse_dtype
 from engine_native.request import Request, RequestStatus
 from engine_native.runner import ModelRunner
