@@ -198,8 +198,10 @@ def test_default_greedy_answers_are_the_same_alone_and_in_a_batch_of_8() -> None
     assert tok is not None and "Paris" in tok.decode(batch[0])
 
 
-def _greedy_with_top2(engine: LLMEngine, prompt: list[int]) -> list[LogprobEntry]:
-    engine.add_request("alone", prompt, SamplingParams(max_tokens=16, temperature=0, logprobs=2))
+def _greedy_with_top2(engine: LLMEngine, prompt: list[int], max_tokens: int = 16,
+                     ignore_eos: bool = False) -> list[LogprobEntry]:
+    engine.add_request("alone", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2,
+                                                       ignore_eos=ignore_eos))
     entries: list[LogprobEntry] = []
     while engine.has_unfinished:
         for out in engine.step():
