@@ -194,9 +194,10 @@ class EngineConfig:
     int8_activation_max_rows: int = 0
     # Steps of at most this many tokens (among the blocks', above int8_activation_max_rows) round each token's
     # activations to int16 blocks of 32, one scale a block (kernels/quant_rounded.cpp): 65,535 steps of the
-    # block's largest magnitude, finer than bf16 for every value within 1/128 of it, and products as fast as
-    # int8's where the blocks decode on 8 lanes. Not the fp32 products' bits: a request's greedy tokens agree
-    # with Hugging Face fp32 as the fp32 path's do (tests/engine/test_numerics.py). None: INT16_ACTIVATION_MAX_ROWS
+    # block's largest magnitude, finer than bf16 for every value within 1/128 of it, and products nearly as fast
+    # as int8's where the blocks decode on 8 lanes. Not the fp32 products' bits: a request's greedy tokens agree
+    # with Hugging Face fp32 as the fp32 path's do (tests/engine/test_quant_rounded.py, test_numerics.py). None:
+    # INT16_ACTIVATION_MAX_ROWS
     # (model/quant.py) on CPUs without AVX-512, 0 (never) on those with it.
     int16_activation_max_rows: int | None = None
     # Pure-decode steps of more sequences, up to this many, multiply by the Q4_1 blocks through AMX where

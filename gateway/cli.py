@@ -153,7 +153,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         help="the native engine's steps of at most this many tokens (the single stream: 1) round each token's "
         "activations to int8 blocks of 32 and multiply them by the model's 4- and 8-bit weights in integer "
         "multiply-adds, as llama.cpp does: faster decodes on CPUs without AVX-512, at 8-bit activations' "
-        "accuracy; default 0: never, fp32 products"
+        "accuracy; default 0: never"
     )
     p.add_argument(
         "--int16-activation-max-rows", type=_non_negative_int, default=None,
