@@ -318,3 +318,37 @@ def test_nodes_show_their_status_and_an_outage_shows_as_unavailable(
         assert page.locator("[data-tab=tenants]").is_visible()  # the rest of the console still works
     finally:
         context.close()
+
+
+def test_a_tab_clicked_while_the_first_one_loads_is_the_one_shown(browser: Any, server: Server) -> None:
+    """The admin view opens on the tenants tab; a click on Nodes before the tenants have loaded shows the nodes,
+    and the tenants' answer, arriving after, does not paint over them."""
+    context, page, _ = open_console(browser, server)
+    held: list[Any] = []
+    try:
+        calls = {"n": 0}
+
+        def tenants(route: Any) -> None:  # the sign-in's own request passes; the tab's is answered when the test says
+            calls["n"] += 1
+            if calls["n"] == 1:
+                route.continue_()
+            else:
+                held.append(route)
+
+        page.route("**/admin/tenants", tenants)
+        page.route("**/admin/nodes", lambda route: route.fulfill(status=200, json=NODES))
+        sign_in(page, ADMIN_KEY)
+        page.wait_for_selector("[data-tab=nodes]")
+        deadline = time.monotonic() + 120
+        while not held and time.monotonic() < deadline:
+            page.wait_for_timeout(50)
+        assert held, "the tenants tab never asked for /admin/tenants"
+        page.click("[data-tab=nodes]")
+        page.wait_for_selector("[data-view=nodes]")
+        held[0].continue_()  # the tenants' answer, now late
+        page.wait_for_load_state("networkidle")
+        page.wait_for_timeout(500)
+        assert page.is_visible("[data-view=nodes]")
+        assert page.query_selector("[data-table=tenants]") is None
+    finally:
+        context.close()

@@ -15,17 +15,26 @@ const NODE_REFRESH_MS = 5000;
 export async function adminView(root, fail) {
   const panel = h("div", { class: "panel" });
   let timer = null;
+  let shown = 0;  // which call of show() is the latest
   const tabs = { tenants: tenantsTab, nodes: nodesTab, latency: latencyTab, models: modelsTab, billing: relayTab };
   const nav = h("nav", { class: "tabs" }, Object.keys(tabs).map((name) =>
     h("button", { "data-tab": name, onclick: () => show(name) }, name[0].toUpperCase() + name.slice(1))));
+  // Each tab renders into a view of its own, attached at once (charts measure it): a tab clicked while another is
+  // still loading replaces that view, so the slower, older one finishes into a detached view and stops its timer,
+  // instead of painting over the tab asked for last.
   async function show(name) {
+    const mine = ++shown;
     clearInterval(timer);
     for (const b of nav.children) b.classList.toggle("active", b.dataset.tab === name);
-    replace(panel, h("p", { class: "muted" }, "Loading…"));
+    const view = h("div");
+    replace(panel, view);
+    replace(view, h("p", { class: "muted" }, "Loading…"));
     try {
-      timer = await tabs[name](panel, fail);
+      const refresh = await tabs[name](view, fail);
+      if (mine === shown) timer = refresh;
+      else clearInterval(refresh);
     } catch (e) {
-      fail(e, panel);
+      if (mine === shown) fail(e, view);
     }
   }
   replace(root, nav, panel);
