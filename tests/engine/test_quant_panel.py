@@ -4,11 +4,9 @@ dense GEMM's up to the order of additions, and the engine's greedy answers uncha
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize as gguf_dequantize
+from bundled_blocks import bundled_blocks
 
 from engine_native.config import CacheConfig, EngineConfig
 from engine_native.engine import LLMEngine
@@ -20,8 +18,6 @@ from engine_native.model.quant import (
     panel_blocks,
     panel_fits,
     panel_linear,
-    q4_1_from_gguf,
-    q8_0_from_gguf,
 )
 from engine_native.sampling_params import SamplingParams
 
@@ -30,12 +26,7 @@ NAMES = ["blk.0.ffn_down.weight", "blk.2.attn_qkv", "token_embd.weight"]
 
 @pytest.fixture(scope="module")
 def bundled() -> dict[str, tuple[Q41Weight | Q80Weight, torch.Tensor]]:
-    out = {}
-    for t in GGUFReader(bundled_model_path()).tensors:
-        if t.name in ("blk.0.ffn_down.weight", "token_embd.weight", "blk.2.attn_k.weight"):
-            blocks = q4_1_from_gguf(t.data) if t.tensor_type.name == "Q4_1" else q8_0_from_gguf(t.data)
-            dense = torch.from_numpy(np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
-            out[t.name] = (blocks, dense)
+    out = bundled_blocks(("blk.0.ffn_down.weight", "token_embd.weight", "blk.2.attn_k.weight"))
     # A qkv-shaped Q4_1 weight, 960 x 576: five copies of a 192-row k_proj.
     k_blocks, k_dense = out.pop("blk.2.attn_k.weight")
     assert isinstance(k_blocks, Q41Weight)

@@ -12,11 +12,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize as gguf_dequantize
+from bundled_blocks import bundled_blocks
 from test_numerics import NEW_TOKENS, QUESTIONS, _hf, agreement
 from test_quant import _greedy_with_top2, _same_but_near_ties
 
@@ -28,8 +26,6 @@ from engine_native.model.quant import (
     Activations,
     Q41Weight,
     Q80Weight,
-    q4_1_from_gguf,
-    q8_0_from_gguf,
     quant_linear,
 )
 from engine_native.sampling_params import SamplingParams
@@ -40,12 +36,7 @@ NAMES = ["blk.0.ffn_down.weight", "blk.2.attn_q.weight", "token_embd.weight"]
 
 @pytest.fixture(scope="module")
 def bundled_tensors() -> dict[str, tuple[Q41Weight | Q80Weight, torch.Tensor]]:
-    out = {}
-    for t in GGUFReader(bundled_model_path()).tensors:
-        if t.name in NAMES:
-            blocks = q4_1_from_gguf(t.data) if t.tensor_type.name == "Q4_1" else q8_0_from_gguf(t.data)
-            dense = torch.from_numpy(np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
-            out[t.name] = (blocks, dense)
+    out = bundled_blocks(NAMES)
     assert {type(b) for b, _ in out.values()} == {Q41Weight, Q80Weight}
     return out
 
