@@ -12,7 +12,7 @@ ms for all layers, the K/V bytes read per ms as GB/s, and the load average, and 
 gave the same output bits (the kernel's arithmetic must not depend on where a block lies).
 
 It is the kernel's own in-process figure, on the bundled model's shapes by default (9 query heads, 3 KV
-heads, head_dim 64, bf16 cache where the kernels take one), not a served figure: `sluice bench serve`
+heads, head_dim 64, a bf16 cache unless --dtype float32), not a served figure: `sluice bench serve`
 measures what a client sees. The pool is allocated as the engine process allocates its own, with transparent
 huge pages asked for (engine_native/host_memory.py `ask_for_huge_pages`): with 4 KiB pages the scattered walk
 pays TLB misses the engine does not (21 sequences of 800-1,600 tokens: ~40 against ~34 ms on an AVX-512 EPYC).
@@ -62,9 +62,6 @@ def run(args: argparse.Namespace) -> int:
         print("Sluice's CPU kernels are not available here (no AVX2, no compiler, or SLUICE_KERNELS=0)")
         return 2
     dtype = getattr(torch, args.dtype)
-    if dtype == torch.bfloat16 and not kernels.BF16_KV_CACHE:
-        print("the kernels take a bf16 cache only where built with AVX-512: use --dtype float32")
-        return 2
     b, h, hkv, d, bs = args.sequences, args.heads, args.kv_heads, args.head_dim, args.block_size
     per_seq = (args.context + bs - 1) // bs
     if b * per_seq > args.pool_blocks:

@@ -126,7 +126,7 @@ class NativeDriverConfig:
                         attention_backend=o.attention_backend, prefill_attention_dtype=o.prefill_attention_dtype,
                         bf16_panel_max_rows=o.bf16_panel_max_rows,
                         int8_activation_max_rows=o.int8_activation_max_rows,
-                        int16_activation_max_rows=o.int16_activation_max_rows),
+                        int16_activation_max_rows=o.int16_activation_max_rows, kv_dtype=o.kv_dtype),
         )
         return cls(
             engine=engine,

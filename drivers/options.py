@@ -44,6 +44,8 @@ class EngineOptions:
     int16_activation_max_rows: int | None = None
     """The native engine's steps of at most this many tokens round their activations to int16 blocks of 32; 0:
     never; None: the engine's default, by CPU (--int16-activation-max-rows)."""
+    kv_dtype: str | None = None
+    """The native engine's KV cache dtype, "bfloat16" or "float32"; None: the engine's default (--kv-dtype)."""
     num_threads: int | None = None
     """Torch CPU threads per engine; None: torch's choice (--num-threads)."""
     max_model_len: int | None = None

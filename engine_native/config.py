@@ -174,7 +174,9 @@ class EngineConfig:
     # Weight/activation dtype: "float32", "bfloat16", or "auto" (bf16 only where the CPU computes it
     # natively; see precision.py).
     dtype: str = "auto"
-    kv_dtype: str | None = None  # defaults to dtype
+    # The KV cache's dtype, "float32" or "bfloat16"; None: the model's, but bf16 where dtype is "auto" and the
+    # model computes in fp32 on a CPU with Sluice's kernels (engine.default_kv_dtype).
+    kv_dtype: str | None = None
     num_threads: int | None = None  # torch intra-op threads; None = all cores
     max_model_len: int | None = None  # defaults to the model's context length
     served_model_name: str | None = None

@@ -161,6 +161,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
         "blocks of 32 (65,535 steps of the block's largest magnitude) and multiply them in integer multiply-adds; "
         "0: fp32 products; default: 2 on CPUs without AVX-512, 0 on those with it"
     )
+    p.add_argument(
+        "--kv-dtype", choices=["bfloat16", "float32"], default=None,
+        help="the native engine's KV cache dtype; bfloat16 halves the bytes each decode step reads; default: the "
+        "engine's (docs/engine.md, Knobs)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="cap on sequences running in one engine step; default: the engine's")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -378,6 +383,7 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
         bf16_panel_max_rows=args.bf16_panel_max_rows,
         int8_activation_max_rows=args.int8_activation_max_rows,
         int16_activation_max_rows=args.int16_activation_max_rows,
+        kv_dtype=args.kv_dtype,
         num_threads=args.num_threads,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

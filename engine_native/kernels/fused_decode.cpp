@@ -75,15 +75,11 @@ class FusedDecoder {
       TORCH_CHECK(mats_[4 * l + 1].n == hidden && mats_[4 * l + 1].k == heads * head_dim, "o shape");
       TORCH_CHECK(mats_[4 * l + 2].n == 2 * intermediate && mats_[4 * l + 2].k == hidden, "gate_up shape");
       TORCH_CHECK(mats_[4 * l + 3].n == hidden && mats_[4 * l + 3].k == intermediate, "down shape");
-#ifdef __AVX512F__
       const bool dtype_ok = k_cache[l].scalar_type() == torch::kFloat32 || k_cache[l].scalar_type() == torch::kBFloat16;
-#else
-      const bool dtype_ok = k_cache[l].scalar_type() == torch::kFloat32;
-#endif
       TORCH_CHECK(dtype_ok && k_cache[l].scalar_type() == k_cache[0].scalar_type() && k_cache[l].is_contiguous() &&
                       v_cache[l].scalar_type() == k_cache[l].scalar_type() && v_cache[l].is_contiguous() &&
                       k_cache[l].dim() == 4 && k_cache[l].size(2) == kv_heads && k_cache[l].size(3) == head_dim,
-                  "KV caches must be contiguous fp32 (or bf16 on AVX-512) [blocks, block_size, kv_heads, head_dim]");
+                  "KV caches must be contiguous fp32 or bf16 [blocks, block_size, kv_heads, head_dim]");
     }
     TORCH_CHECK(mats_.back().k == hidden, "lm head shape");
     for (auto& n : norms) norms_.push_back(n.contiguous().to(torch::kFloat32));
@@ -137,13 +133,10 @@ class FusedDecoder {
           store_row(static_cast<float*>(vc) + slot[i] * kv_size, row + q_size + kv_size, kv_size);
         }
       }
-#ifdef __AVX512F__
       if (bf16) {
         paged_decode_bf16(q.data(), m, heads_, d_, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc),
                           bs, kv_heads_, tables, max_blocks, lens, scale, attn.data());
-      } else
-#endif
-      {
+      } else {
         paged_decode(q.data(), m, heads_, d_, static_cast<const float*>(kc), static_cast<const float*>(vc),
                      num_blocks, bs, kv_heads_, tables, max_blocks, lens, scale, attn.data());
       }

@@ -7,7 +7,7 @@
 // are read once, fp32 throughout.
 //
 //     q            [B, H, D] float32          one query token per sequence
-//     k/v_cache    [num_blocks, block_size, Hkv, D] float32
+//     k/v_cache    [num_blocks, block_size, Hkv, D] float32 or bfloat16 (widened exactly as read)
 //     block_tables [B, max_blocks] int64      block ids of each sequence, in token order
 //     context_lens [B] int64                  tokens of each sequence in the cache (its query included)
 //     -> out       [B, H, D] float32
@@ -22,13 +22,6 @@
 #include "simd.h"
 
 namespace sluice {
-
-// Whether the decode attention, the fused decoder and the K/V writes take a bf16 cache (AVX-512 only).
-#ifdef __AVX512F__
-constexpr bool kBf16Cache = true;
-#else
-constexpr bool kBf16Cache = false;
-#endif
 
 namespace {
 
@@ -76,15 +69,24 @@ void token_rows(const KV* k_cache, const KV* v_cache, const int64_t* table, int6
   }
 }
 
-// The AVX2 path, for an fp32 cache where the AVX-512 one does not run (8 lanes, 16 registers). Scores: one
+// The AVX2 path, where the AVX-512 one does not run (8 lanes, 16 registers), over an fp32 or a bf16 cache. Scores: one
 // query head against eight keys at a time (eight accumulators over d, reduced together by an hadd tree);
 // values: up to three query heads x 16 columns of the output held in registers over the whole context. The
 // walk it replaced reduced a vector to one float for every (query head, key) pair and loaded and stored
 // every output row once per key. 2-core AVX2-only EPYC, 32 sequences, 30 layers' caches: 110-121 -> 80-90 ms
 // at 100-600 tokens; one layer's cache 30 times at 100-250 tokens: 48-50 -> 36-40 ms. Same sums of the same
 // products, in another order: results agree to float rounding. Its rows are read ahead by a plain pass of
-// loads (read_rows), not by prefetch instructions as in the AVX-512 path (prefetch_row, below).
+// loads (read_rows), not by prefetch instructions as in the AVX-512 path (prefetch_row, below). A bf16 row is
+// widened to fp32 as it is loaded (exact: the sums of the stored values' products, as over an fp32 cache holding
+// them); half the bytes to read: the same 32 sequences of 125-250 tokens over 30 layers' scattered caches, one
+// process, alternating, 21.8 against 31.2 ms (medians). Widening each row into fp32 scratch first, so that a key
+// is widened once and not once per query head, was slower (31.2), and so was scoring three heads against four
+// keys at a time to share the widening (22.4): the walk is not bound by the widening.
 namespace avx2_path {
+
+// 8 cache elements as fp32: an fp32 cache is read as is, a bf16 one (uint16 bits) widened exactly.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return from_bf16x8(p); }
 
 // Eight dot products' 8-lane partial sums -> their eight totals, in order.
 inline __m256 reduce8(const __m256* acc) {
@@ -97,14 +99,15 @@ inline __m256 reduce8(const __m256* acc) {
 }
 
 // scores[t0 .. t0 + n) of one query head q against the keys k[0 .. 8) (a short tail repeats its last key).
-inline void score_head(const float* q, const float* const* k, int64_t d, float scale, int64_t n, float* scores) {
+template <typename KV>
+inline void score_head(const float* q, const KV* const* k, int64_t d, float scale, int64_t n, float* scores) {
   __m256 acc[8];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t c = 0; c < d; c += 8) {
     const __m256 qc = _mm256_loadu_ps(q + c);
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[i] + c), acc[i]);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, load8(k[i] + c), acc[i]);
   }
   const __m256 s = _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale));
   if (n == 8) {
@@ -117,8 +120,8 @@ inline void score_head(const float* q, const float* const* k, int64_t d, float s
 }
 
 // out[j * d ..][0, 8 CN) = sum_t p[j * len + t] * values[t][col ..] for JN query heads, in token order.
-template <int JN, int CN>
-void weighted_values(const float* p, int64_t len, const float* const* values, int64_t col, int64_t d, float* out) {
+template <typename KV, int JN, int CN>
+void weighted_values(const float* p, int64_t len, const KV* const* values, int64_t col, int64_t d, float* out) {
   __m256 acc[JN * CN];
 #pragma GCC unroll 8
   for (int i = 0; i < JN * CN; ++i) acc[i] = _mm256_setzero_ps();
@@ -128,7 +131,7 @@ void weighted_values(const float* p, int64_t len, const float* const* values, in
     for (int j = 0; j < JN; ++j) pj[j] = _mm256_set1_ps(p[j * len + t]);
 #pragma GCC unroll 4
     for (int c = 0; c < CN; ++c) {
-      const __m256 v = _mm256_loadu_ps(values[t] + col + c * 8);
+      const __m256 v = load8(values[t] + col + c * 8);
 #pragma GCC unroll 4
       for (int j = 0; j < JN; ++j) acc[j * CN + c] = _mm256_fmadd_ps(pj[j], v, acc[j * CN + c]);
     }
@@ -137,13 +140,13 @@ void weighted_values(const float* p, int64_t len, const float* const* values, in
     for (int c = 0; c < CN; ++c) _mm256_storeu_ps(out + j * d + c * 8, acc[j * CN + c]);
 }
 
-template <int JN>
-void weighted_values_cols(const float* p, int64_t len, const float* const* values, int64_t col, int64_t cn,
+template <typename KV, int JN>
+void weighted_values_cols(const float* p, int64_t len, const KV* const* values, int64_t col, int64_t cn,
                           int64_t d, float* out) {
   if (cn == 2) {
-    weighted_values<JN, 2>(p, len, values, col, d, out);
+    weighted_values<KV, JN, 2>(p, len, values, col, d, out);
   } else {
-    weighted_values<JN, 1>(p, len, values, col, d, out);
+    weighted_values<KV, JN, 1>(p, len, values, col, d, out);
   }
 }
 
@@ -155,22 +158,26 @@ void weighted_values_cols(const float* p, int64_t len, const float* const* value
 // 564-1,128 tokens 18.6-25.6 against 26.4-30.5 (docs/engine.md, "The AVX2-only EPYC again"). A pass of plain
 // loads keeps many misses in flight at once (nothing waits on them), and the walk then finds its rows in L2
 // (or L3, for contexts longer than L2 holds). The same bits either way.
-void read_rows(const float* const* rows, const float* const* vrows, int64_t head, int64_t d, int64_t len) {
-  __m256 sink = _mm256_setzero_ps();
+template <typename KV>
+void read_rows(const KV* const* rows, const KV* const* vrows, int64_t head, int64_t d, int64_t len) {
+  constexpr int64_t kLine = 64 / sizeof(KV);  // elements per cache line
+  __m256i sink = _mm256_setzero_si256();
   for (int64_t t = 0; t < len; ++t)
-    for (int64_t c = head; c < head + d; c += 16)
-      sink = _mm256_add_ps(sink, _mm256_add_ps(_mm256_loadu_ps(rows[t] + c), _mm256_loadu_ps(vrows[t] + c)));
+    for (int64_t c = head; c < head + d; c += kLine)
+      sink = _mm256_add_epi32(sink, _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[t] + c)),
+                                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrows[t] + c))));
   asm volatile("" : : "x"(sink));  // the loads are the point: claim the sum is used
 }
 
 // One (sequence, KV head) item: the g query heads' scores against `len` keys, their softmax, the values.
 // rows[t] / vrows[t]: token t's K / V row (token_rows); this head's d elements start at `head`.
-void attend(const float* q, int64_t g, int64_t d, const float* const* rows, const float* const* vrows, int64_t head,
+template <typename KV>
+void attend(const float* q, int64_t g, int64_t d, const KV* const* rows, const KV* const* vrows, int64_t head,
             int64_t len, float scale, float* scores, float* out) {
   read_rows(rows, vrows, head, d, len);
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - t0);
-    const float* k[8];
+    const KV* k[8];
     for (int64_t i = 0; i < 8; ++i) k[i] = rows[t0 + std::min(i, n - 1)] + head;
     for (int64_t j = 0; j < g; ++j) score_head(q + j * d, k, d, scale, n, scores + j * len + t0);
   }
@@ -182,9 +189,9 @@ void attend(const float* q, int64_t g, int64_t d, const float* const* rows, cons
       const float* pj = scores + j0 * len;
       float* oj = out + j0 * d + col;
       switch (jn) {
-        case 1: weighted_values_cols<1>(pj, len, vrows, head + col, cn, d, oj); break;
-        case 2: weighted_values_cols<2>(pj, len, vrows, head + col, cn, d, oj); break;
-        default: weighted_values_cols<3>(pj, len, vrows, head + col, cn, d, oj); break;
+        case 1: weighted_values_cols<KV, 1>(pj, len, vrows, head + col, cn, d, oj); break;
+        case 2: weighted_values_cols<KV, 2>(pj, len, vrows, head + col, cn, d, oj); break;
+        default: weighted_values_cols<KV, 3>(pj, len, vrows, head + col, cn, d, oj); break;
       }
     }
   }
@@ -453,22 +460,16 @@ void paged_decode_avx512(const float* q, int64_t b, int64_t h, int64_t d, const 
 }
 #endif
 
-}  // namespace
-
-void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* k_cache, const float* v_cache,
-                  int64_t num_blocks, int64_t block_size, int64_t hkv, const int64_t* tables, int64_t max_blocks,
-                  const int64_t* lens, float scale, float* out) {
+// The AVX2 walk over the items, by cost, as the AVX-512 one hands them out.
+template <typename KV>
+void paged_decode_avx2(const float* q, int64_t b, int64_t h, int64_t d, const KV* k_cache, const KV* v_cache,
+                       int64_t block_size, int64_t hkv, const int64_t* tables, int64_t max_blocks,
+                       const int64_t* lens, float scale, float* out) {
   const int64_t g = h / hkv, token_stride = hkv * d;
-#ifdef __AVX512F__
-  if (d % 16 == 0) {
-    paged_decode_avx512(q, b, h, d, k_cache, v_cache, block_size, hkv, tables, max_blocks, lens, scale, out);
-    return;
-  }
-#endif
   const auto cost = [&](int64_t item) { return item_cost(lens, hkv, item); };
   parallel_for_by_cost(b * hkv, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const float*> krows, vrows;
+    std::vector<const KV*> krows, vrows;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t seq = job / hkv, kvh = job % hkv, len = lens[seq];
       if (job == begin || kvh == 0)  // a sequence's rows once for all the KV heads this thread takes
@@ -480,14 +481,30 @@ void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* 
   });
 }
 
+}  // namespace
+
+void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* k_cache, const float* v_cache,
+                  int64_t num_blocks, int64_t block_size, int64_t hkv, const int64_t* tables, int64_t max_blocks,
+                  const int64_t* lens, float scale, float* out) {
 #ifdef __AVX512F__
+  if (d % 16 == 0) {
+    paged_decode_avx512(q, b, h, d, k_cache, v_cache, block_size, hkv, tables, max_blocks, lens, scale, out);
+    return;
+  }
+#endif
+  paged_decode_avx2(q, b, h, d, k_cache, v_cache, block_size, hkv, tables, max_blocks, lens, scale, out);
+}
+
 void paged_decode_bf16(const float* q, int64_t b, int64_t h, int64_t d, const uint16_t* k_cache,
                        const uint16_t* v_cache, int64_t block_size, int64_t hkv, const int64_t* tables,
                        int64_t max_blocks, const int64_t* lens, float scale, float* out) {
   TORCH_CHECK(d % 16 == 0, "a bf16 cache needs head_dim % 16 == 0");
+#ifdef __AVX512F__
   paged_decode_avx512(q, b, h, d, k_cache, v_cache, block_size, hkv, tables, max_blocks, lens, scale, out);
-}
+#else
+  paged_decode_avx2(q, b, h, d, k_cache, v_cache, block_size, hkv, tables, max_blocks, lens, scale, out);
 #endif
+}
 
 namespace {
 
@@ -495,10 +512,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous fp32 [B, H, D]");
   const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(k_cache.dim() == 4 && (k_cache.scalar_type() == torch::kFloat32 || (bf16 && kBf16Cache)) &&
+  TORCH_CHECK(k_cache.dim() == 4 && (k_cache.scalar_type() == torch::kFloat32 || bf16) &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == k_cache.scalar_type() && v_cache.is_contiguous(),
-              "k/v_cache: contiguous [num_blocks, block_size, Hkv, D], fp32 (or bf16 on an AVX-512 CPU)");
+              "k/v_cache: contiguous [num_blocks, block_size, Hkv, D], fp32 or bf16");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(),
               "block_tables: contiguous int64 [B, max_blocks]");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == torch::kInt64 && context_lens.is_contiguous(),
@@ -517,14 +534,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       TORCH_CHECK(tables[i * max_blocks + j] >= 0 && tables[i * max_blocks + j] < num_blocks, "block id out of the pool");
   }
   auto out = torch::empty_like(q);
-#ifdef __AVX512F__
   if (bf16) {
     paged_decode_bf16(q.data_ptr<float>(), b, h, d, reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
                       reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), bs, hkv, tables, max_blocks, lens,
                       static_cast<float>(scale), out.data_ptr<float>());
     return out;
   }
-#endif
   paged_decode(q.data_ptr<float>(), b, h, d, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), num_blocks, bs,
                hkv, tables, max_blocks, lens, static_cast<float>(scale), out.data_ptr<float>());
   return out;
@@ -536,5 +551,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 void register_paged_attention(pybind11::module& m) {
   m.def("paged_decode_attention", &sluice::paged_decode_attention,
         "q [B, H, D] over the paged fp32 (or bf16) KV cache -> [B, H, D]");
-  m.attr("BF16_KV_CACHE") = sluice::kBf16Cache;
 }

@@ -108,12 +108,10 @@ void paged_decode(const float* q, int64_t b, int64_t h, int64_t d, const float* 
                   int64_t num_blocks, int64_t block_size, int64_t hkv, const int64_t* tables, int64_t max_blocks,
                   const int64_t* lens, float scale, float* out);
 
-#ifdef __AVX512F__
 // The same over a bf16 cache (uint16 bits of each element); head_dim a multiple of 16.
 void paged_decode_bf16(const float* q, int64_t b, int64_t h, int64_t d, const uint16_t* k_cache,
                        const uint16_t* v_cache, int64_t block_size, int64_t hkv, const int64_t* tables,
                        int64_t max_blocks, const int64_t* lens, float scale, float* out);
-#endif
 
 // out [m, n] = x [m, k] (bf16 bits) @ W^T, W in Q4_1 blocks (N % 32 == 0), through AMX, into bf16 bits rounded to
 // nearest even (amx_linear.cpp); refuses where the build or the OS gives no AMX.

@@ -105,20 +105,12 @@ QUANTIZED_MAX_ROWS = 8
 QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS = 2
 
 
-def kernels_take_bf16_cache() -> bool:
-    """Whether this host's C++ kernels read and write a bf16 KV cache (built with AVX-512)."""
-    kernels = cpu_kernels()
-    return kernels is not None and bool(getattr(kernels, "BF16_KV_CACHE", False))
-
-
 def cache_in_kernels(cache: torch.Tensor) -> bool:
-    """Whether the C++ kernels take this layer's cache: fp32 anywhere they run, bf16 where built with
-    AVX-512 (and a head_dim that is a multiple of 16)."""
-    if cache.device.type != "cpu":
+    """Whether the C++ kernels take this layer's cache: fp32 anywhere they run, bf16 too where the head_dim is a
+    multiple of 16."""
+    if cache.device.type != "cpu" or not kernels_available():
         return False
-    if cache.dtype == torch.float32:
-        return kernels_available()
-    return cache.dtype == torch.bfloat16 and cache.shape[-1] % 16 == 0 and kernels_take_bf16_cache()
+    return cache.dtype == torch.float32 or (cache.dtype == torch.bfloat16 and cache.shape[-1] % 16 == 0)
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -453,8 +445,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_for(self, batch: ForwardBatch, kv_cache: KVCache) -> Any | None:
         """The whole-step C++ decoder (kernels/fused_decode.cpp) when this step can use it: every
-        sequence computes one token and samples it, within `quantized_max_rows`, an fp32 KV cache,
-        every weight in blocks. Built once per KV cache."""
+        sequence computes one token and samples it, within `quantized_max_rows`, a KV cache the kernels
+        take (cache_in_kernels), every weight in blocks. Built once per KV cache."""
         if (
             self.lm_head_quantized is None
             or batch.num_tokens > self.quantized_max_rows

@@ -45,7 +45,6 @@ def test_kernel_matches_softmax_attention(heads: int, kv_heads: int, head_dim: i
     torch.testing.assert_close(ours.double(), reference(q, k_cache, v_cache, tables, lens), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.skipif(not getattr(cpu_kernels(), "BF16_KV_CACHE", False), reason="a bf16 cache needs the AVX-512 build")
 @pytest.mark.parametrize("lens", [[1, 7, 16, 17, 100, 203], [203]], ids=["batch", "alone"])
 # Groups of three, two, four (three then one) and five (three then two) query heads per KV head.
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (6, 3, 64), (8, 2, 128), (10, 2, 80), (4, 1, 32)])
@@ -79,11 +78,8 @@ def test_bad_tables_are_errors_not_crashes() -> None:
         kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([17]), 1.0)
 
 
-# The AVX-512 walk (head_dim % 16 == 0) and the other one (24) both split by cost; a bf16 cache is read by the
-# AVX-512 build only, so an AVX2 host checks the fp32 cases.
-_SPLIT_CASES = [(torch.float32, 64), (torch.float32, 24)] + (
-    [(torch.bfloat16, 64)] if getattr(cpu_kernels(), "BF16_KV_CACHE", False) else []
-)
+# The AVX-512 walk (head_dim % 16 == 0) and the AVX2 one (24; every head_dim on an AVX2 build) both split by cost.
+_SPLIT_CASES = [(torch.float32, 64), (torch.float32, 24), (torch.bfloat16, 64)]
 
 
 @pytest.mark.parametrize("dtype,d", _SPLIT_CASES)

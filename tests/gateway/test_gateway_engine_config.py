@@ -113,3 +113,12 @@ def test_the_int16_activation_flag_reaches_every_engine_and_unset_leaves_the_eng
     for bad in ("-1", "x", "1.5"):
         with pytest.raises(SystemExit):
             serve_options(["--int16-activation-max-rows", bad])
+
+
+def test_the_kv_dtype_flag_reaches_every_engine_and_unset_leaves_the_engines_default() -> None:
+    config = NativeDriverConfig.from_options(serve_options(["--engines", "2", "--kv-dtype", "float32"]))
+    assert [config.engine_config(i).kv_dtype for i in range(2)] == ["float32", "float32"]
+    assert NativeDriverConfig.from_options(serve_options([])).engine.kv_dtype is None  # by model and CPU
+    for bad in ("int8", "fp16", ""):
+        with pytest.raises(SystemExit):
+            serve_options(["--kv-dtype", bad])
