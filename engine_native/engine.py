@@ -197,9 +197,9 @@ class LLMEngine:
         self.trace = StepTraceWriter(config.step_trace_path) if config.step_trace_path else None
         log.info(
             "engine ready: model=%s device=%s attention=%s dtype=%s max_model_len=%d kv_blocks=%d x %d tokens"
-            " swap_blocks=%d preemption=%s",
+            " kv_dtype=%s swap_blocks=%d preemption=%s",
             self.model_name, self.device_name, self.attention_backend_name, dtype, self.max_model_len, num_blocks,
-            block_size, num_swap, config.cache.preemption_mode if num_swap else "recompute",
+            block_size, kv_dtype, num_swap, config.cache.preemption_mode if num_swap else "recompute",
         )
 
     # ----- requests --------------------------------------------------------------------
