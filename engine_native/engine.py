@@ -30,14 +30,17 @@ from engine_native.kv_cache_manager import KVCacheManager
 from engine_native.messages import EngineStats, LogprobEntry, LogprobTop, RequestOutput
 from engine_native.model.attention_backends import SDPA, build_attention_backend, resolve_backend_name
 from engine_native.model.base import CausalLM, LoadedModel, Tokenizer
-from engine_native.model.llama import QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS
+from engine_native.model.llama import (
+    QUANTIZED_MAX_ROWS,
+    QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS,
+    kernels_take_cache,
+)
 from engine_native.model.loader import load_model
 from engine_native.model.quant import (
     INT16_ACTIVATION_MAX_ROWS,
     NO_ROUNDING,
     ActivationRounding,
     int16_activations_pay,
-    kernels_available,
 )
 from engine_native.precision import parse_dtype
 from engine_native.request import Request, RequestStatus
@@ -448,15 +451,15 @@ class LLMEngine:
 
 def default_kv_dtype(dtype_setting: str, model_dtype: torch.dtype, on_cpu: bool, head_dim: int) -> torch.dtype:
     """The KV cache's dtype where EngineConfig.kv_dtype leaves it open: the model's, except where `dtype` is
-    "auto" and the model computes in fp32 on the CPU (no native bf16) while Sluice's kernels attend over a bf16
-    cache (they run here, and the head_dim is a multiple of 16): bf16 there, as on the bf16 hosts. Half the bytes every decode step reads: on a
-    2-core AVX2-only EPYC the decode attention over 32 sequences of 125-250 tokens took 21.8 against 31.2 ms
-    and 32 streams were served 18-22% faster (docs/engine.md, "The AVX2-only EPYC a fourth time"). K and V are
-    rounded to bf16 (2^-9 of each value) as stored and read exactly; the eight questions of
+    "auto" and the model computes in fp32 on the CPU (no native bf16) while Sluice's kernels can attend over a
+    bf16 cache: bf16 there, as on the bf16 hosts. Half the bytes every decode step reads: on a 2-core AVX2-only
+    EPYC the decode attention over 32 sequences of 125-250 tokens took 21.8 against 31.2 ms, and fresh servers
+    served 32 streams 18-22% faster (docs/engine.md, "The AVX2-only EPYC a fourth time"). K and V are rounded
+    to bf16 (2^-9 of each value) as stored and read exactly; the eight questions of
     tests/engine/test_numerics.py still agree with Hugging Face fp32 at 1.000. An explicit "float32" keeps the
     cache fp32: fp32 throughout, as asked."""
     fp32_on_cpu = on_cpu and model_dtype == torch.float32
-    if dtype_setting == "auto" and fp32_on_cpu and kernels_available() and head_dim % 16 == 0:
+    if dtype_setting == "auto" and fp32_on_cpu and kernels_take_cache(torch.bfloat16, head_dim):
         return torch.bfloat16
     return model_dtype
 

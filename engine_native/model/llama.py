@@ -105,12 +105,17 @@ QUANTIZED_MAX_ROWS = 8
 QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS = 2
 
 
-def cache_in_kernels(cache: torch.Tensor) -> bool:
-    """Whether the C++ kernels take this layer's cache: fp32 anywhere they run, bf16 too where the head_dim is a
-    multiple of 16."""
-    if cache.device.type != "cpu" or not kernels_available():
+def kernels_take_cache(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the C++ kernels attend over a CPU cache of this dtype and head_dim: fp32 anywhere they run, bf16
+    too where the head_dim is a multiple of 16."""
+    if not kernels_available():
         return False
-    return cache.dtype == torch.float32 or (cache.dtype == torch.bfloat16 and cache.shape[-1] % 16 == 0)
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and head_dim % 16 == 0)
+
+
+def cache_in_kernels(cache: torch.Tensor) -> bool:
+    """Whether the C++ kernels take this layer's cache (kernels_take_cache, on the CPU)."""
+    return cache.device.type == "cpu" and kernels_take_cache(cache.dtype, cache.shape[-1])
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,4 +36,5 @@ def test_the_engine_allocates_its_cache_in_that_dtype(dtype: str, kv_dtype: str 
     engine = LLMEngine(EngineConfig(model_path=bundled_model_path(), dtype=dtype, kv_dtype=kv_dtype,
                                     cache=CacheConfig(num_blocks=16)), progress=False)
     assert engine.runner.kv_cache.k[0].dtype == expected
-    assert engine.generate([[1, 2, 3]], [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)])[0]  # and decodes over it
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(engine.generate([[1, 2, 3]], [greedy])[0]) == 4  # and decodes over it
