@@ -10,7 +10,7 @@ What each function computes is written at the top of its source file:
     elementwise.cpp      rms_norm, add_rms_norm, rope_write_kv, silu_mul: the row-wise steps between GEMMs
     sample.cpp           sample_rows: a token per row from softmax(logits / temperature), no truncation
     amx_linear.cpp       amx_q4_1_linear: x @ W^T with W in Q4_1 blocks through AMX (bf16 in and out), where the CPU has it
-    prefill_attention.cpp  prefill_attention_kernel: prefill chunks' attention over a bf16 cache, fp32-accurate (AMX, or AVX-512 FMAs)
+    prefill_attention.cpp  prefill_attention_kernel: prefill chunks' attention over a bf16 cache, fp32-accurate (AMX, or AVX-512 or AVX2 FMAs)
     quant_panel.cpp      q4_1_panel_linear, q8_0_panel_linear: x @ W^T for 9 to a few hundred rows, AVX-512, fp32 hosts
     bf16_panel.cpp       bf16_panel_linear: x @ W^T for decode steps of 9 to a few hundred rows, dense bf16 weights, AVX-512 BF16
     panel_decode.cpp     DecodeLayers: a pure-decode step's layers in one call where the bf16 panels or AMX take its GEMMs

@@ -1,6 +1,6 @@
 // The prefill chunks' attention over a bf16 paged KV cache at fp32's accuracy (model/attention.py's prefill
 // path; the decode kernel computes in fp32 too), every chunk of a step in one call: through AMX where the OS
-// grants it, else with AVX-512 fp32 FMAs.
+// grants it, else with AVX-512 fp32 FMAs, else with AVX2 ones.
 //
 // AMX multiplies bf16 by bf16 into fp32. K and V are bf16 already (the cache); the two fp32 operands, q and
 // the softmax numerators p, are each split into three bf16 parts, x = hi + mid + lo with hi = bf16(x),
@@ -20,13 +20,13 @@
 // Without AMX (fma_path below) the tasks and the softmax are the same; the keys and values are widened to
 // fp32 and multiplied with register-blocked FMAs, which form each product exactly and round each sum once:
 // the same accuracy. On a 2-core AVX-512 BF16 EPYC it computes 140-170 useful GFLOP/s against SDPA's 40-115.
-//
-// Built where the compiler targets AVX-512 (the AMX path where it targets AMX-BF16 too, amx.h); elsewhere
-// `prefill_attention_available()` is false and the caller keeps PyTorch's fp32 attention.
+// fma8_path is the same on 8 lanes, for CPUs without AVX-512 (every build has it; the AMX path is built where
+// the compiler targets AMX-BF16, amx.h, the 16-lane one where it targets AVX-512).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -88,6 +88,19 @@ void parallel_row_tiles(const std::vector<Chunk>& chunks, int64_t h, const Fn& f
     return round_up(c.ctx - c.qlen + t.r0 + std::min(kTaskRows, c.qlen - t.r0), kKeys) + kKeys;
   };
   parallel_for_by_cost(task_start[nc], task_cost, [&](int64_t begin, int64_t end) { fn(begin, end, tile_at); });
+}
+
+// Values [0, lpad) of one KV head widened to fp32 rows [lpad][d] (0 past ctx): both FMA paths' P.V operand.
+void widen_values(const uint16_t* cache, int64_t bs, int64_t hkv, int64_t d, int64_t kvh, const Chunk& c, float* out) {
+  const int64_t lpad = round_up(c.ctx, kKeys), row = hkv * d;
+  for (int64_t n = 0; n < lpad; ++n) {
+    float* dst = out + n * d;
+    if (n < c.ctx) {
+      load_row(dst, cache + (c.table[n / bs] * bs + n % bs) * row + kvh * d, d);
+    } else {
+      std::fill(dst, dst + d, 0.0f);
+    }
+  }
 }
 
 #ifdef __AVX512F__
@@ -290,18 +303,6 @@ void pack_keys(const uint16_t* cache, int64_t bs, int64_t hkv, int64_t d, int64_
   }
 }
 
-void pack_values(const uint16_t* cache, int64_t bs, int64_t hkv, int64_t d, int64_t kvh, const Chunk& c, float* out) {
-  const int64_t lpad = round_up(c.ctx, kKeys), row = hkv * d;
-  for (int64_t n = 0; n < lpad; ++n) {
-    float* dst = out + n * d;
-    if (n < c.ctx) {
-      load_row(dst, cache + (c.table[n / bs] * bs + n % bs) * row + kvh * d, d);
-    } else {
-      std::fill(dst, dst + d, 0.0f);
-    }
-  }
-}
-
 // scores[m][0, lpad) = q row m . keys, for R rows; 32 keys (two vectors) at a time, k in order.
 template <int R>
 void scores_pass(const float* q, int64_t q_stride, int64_t d, const float* keys, int64_t lpad, float* scores,
@@ -406,22 +407,199 @@ void attend_rows(const float* q, int64_t h_total, int64_t d, int64_t h, int64_t 
 }  // namespace fma_path
 #endif  // __AVX512F__
 
-bool prefill_attention_available() {
-#ifdef __AVX512F__
-  return true;
-#else
-  return amx_permitted();
+
+// The same attention with 8-lane fp32 FMAs, for CPUs without AVX-512 (and, on request, for the tests on
+// those with it): fma_path's layout and tasks on AVX2 vectors, the same accuracy (each product exact, each
+// sum rounded once), the additions in another order.
+//     keys   [lpad / 8][d][8] fp32: per 8 keys, element i of each (8 keys a vector)
+//     values [lpad][d] fp32
+namespace fma8_path {
+
+constexpr int64_t kScoreRows = 6;  // query rows per scores pass: 12 accumulators (6 rows x 16 keys)
+constexpr int64_t kPvRows = 6;     // rows per P.V pass: 12 accumulators (6 rows x 16 columns)
+
+// r[i] <- column i of the 8 x 8 matrix whose rows are r[0..7].
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  __m256 u[8];
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+void pack_keys(const uint16_t* cache, int64_t bs, int64_t hkv, int64_t d, int64_t kvh, const Chunk& c, float* out) {
+  const int64_t lpad = round_up(c.ctx, kKeys), row = hkv * d;
+  __m256 r[8];
+  for (int64_t n0 = 0; n0 < lpad; n0 += 8) {
+    for (int64_t i0 = 0; i0 < d; i0 += 8) {
+      for (int64_t j = 0; j < 8; ++j) {  // key n0 + j, elements i0 .. i0 + 7
+        const int64_t n = n0 + j;
+        r[j] = n < c.ctx ? from_bf16x8(cache + (c.table[n / bs] * bs + n % bs) * row + kvh * d + i0)
+                         : _mm256_setzero_ps();  // keys past ctx
+      }
+      transpose8(r);  // r[i]: element i0 + i of the 8 keys
+      float* dst = out + (n0 / 8) * d * 8 + i0 * 8;
+      for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(dst + i * 8, r[i]);
+    }
+  }
+}
+
+// scores[m][0, lpad) = q row m . keys, for R rows; 16 keys (two vectors) at a time, k in order.
+template <int R>
+void scores_pass(const float* q, int64_t q_stride, int64_t d, const float* keys, int64_t lpad, float* scores,
+                 int64_t ld) {
+  for (int64_t n0 = 0; n0 < lpad; n0 += 16) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* k0 = keys + (n0 / 8) * d * 8;
+    const float* k1 = k0 + d * 8;
+    for (int64_t i = 0; i < d; ++i) {
+      const __m256 a = _mm256_loadu_ps(k0 + i * 8), b = _mm256_loadu_ps(k1 + i * 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_broadcast_ss(q + r * q_stride + i);
+        acc[r][0] = _mm256_fmadd_ps(x, a, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(x, b, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(scores + r * ld + n0, acc[r][0]);
+      _mm256_storeu_ps(scores + r * ld + n0 + 8, acc[r][1]);
+    }
+  }
+}
+
+// o[m][0, 16) = sum over keys [0, len) of p[m][n] v[n][c0 ..], for R rows, keys in order.
+template <int R>
+void pv_pass(const float* p, int64_t ldp, int64_t len, const float* values, int64_t d, int64_t c0, float* o,
+             int64_t ldo) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t n = 0; n < len; ++n) {
+    const __m256 v0 = _mm256_loadu_ps(values + n * d + c0), v1 = _mm256_loadu_ps(values + n * d + c0 + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(p + r * ldp + n);
+      acc[r][0] = _mm256_fmadd_ps(x, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, v1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(o + r * ldo, acc[r][0]);
+    _mm256_storeu_ps(o + r * ldo + 8, acc[r][1]);
+  }
+}
+
+template <int... R>
+void scores_rows(int64_t rows, std::integer_sequence<int, R...>, const float* q, int64_t q_stride, int64_t d,
+                 const float* keys, int64_t lpad, float* scores, int64_t ld) {
+  (void)((rows == R + 1 ? (scores_pass<R + 1>(q, q_stride, d, keys, lpad, scores, ld), true) : false) || ...);
+}
+
+template <int... R>
+void pv_rows(int64_t rows, std::integer_sequence<int, R...>, const float* p, int64_t ldp, int64_t len,
+             const float* values, int64_t d, int64_t c0, float* o, int64_t ldo) {
+  (void)((rows == R + 1 ? (pv_pass<R + 1>(p, ldp, len, values, d, c0, o, ldo), true) : false) || ...);
+}
+
+// softmax_numerators on 8 lanes, in place: s[0, len) <- e^(s * scale - max * scale), s[len, round_up(len, 8))
+// <- 0 (the row has room: lpad is a multiple of 32). Returns their sum.
+inline float softmax_numerators8(float* s, int64_t len, float scale) {
+  const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const auto live_at = [&](int64_t t) {  // lanes t + i < len
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(len - t)), lane));
+  };
+  __m256 vmax = ninf;
+  for (int64_t t = 0; t < len; t += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + t), live_at(t)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const __m256 mx = _mm256_mul_ps(_mm256_set1_ps(_mm_cvtss_f32(m4)), vscale);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; t += 8) {
+    const __m256 e = _mm256_and_ps(live_at(t), exp_ps(_mm256_fmsub_ps(_mm256_loadu_ps(s + t), vscale, mx)));
+    vsum = _mm256_add_ps(vsum, e);
+    _mm256_storeu_ps(s + t, e);
+  }
+  return hsum(vsum);
+}
+
+// One task: query rows [r0, r0 + 16) of head h in chunk c -> out (as fma_path's attend_rows).
+void attend_rows(const float* q, int64_t h_total, int64_t d, int64_t h, int64_t r0, const Chunk& c, const float* keys,
+                 const float* values, float scale, float* out, std::vector<float>& scores) {
+  const int64_t rows = std::min(kTaskRows, c.qlen - r0);
+  const int64_t first_pos = c.ctx - c.qlen + r0;  // position of row 0; row m sees keys [0, first_pos + m]
+  const int64_t seen = first_pos + rows;
+  const int64_t lpad = round_up(seen, kKeys);
+  scores.resize(static_cast<size_t>(kTaskRows * lpad));
+  const float* q0 = q + ((c.start + r0) * h_total + h) * d;
+  const int64_t q_stride = h_total * d;
+  for (int64_t m = 0; m < rows; m += kScoreRows) {
+    scores_rows(std::min(kScoreRows, rows - m), std::make_integer_sequence<int, kScoreRows>{}, q0 + m * q_stride,
+                q_stride, d, keys, lpad, scores.data() + m * lpad, lpad);
+  }
+  // Softmax numerators in place, 0 from each row's last visible key to `seen`; then P.V and the division.
+  alignas(32) float sums[kTaskRows] = {};
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t len = first_pos + m + 1;
+    float* s = scores.data() + m * lpad;
+    sums[m] = softmax_numerators8(s, len, scale);
+    if (len < seen) std::fill(s + len, s + seen, 0.0f);
+  }
+  alignas(32) float o[kPvRows * 16];
+  for (int64_t m = 0; m < rows; m += kPvRows) {
+    const int64_t pr = std::min(kPvRows, rows - m);
+    for (int64_t c0 = 0; c0 < d; c0 += 16) {
+      pv_rows(pr, std::make_integer_sequence<int, kPvRows>{}, scores.data() + m * lpad, lpad, seen, values, d, c0, o,
+              16);
+      for (int64_t i = 0; i < pr; ++i) {
+        float* dst = out + ((c.start + r0 + m + i) * h_total + h) * d + c0;
+        const __m256 sum = _mm256_set1_ps(sums[m + i]);
+        for (int64_t j = 0; j < 16; j += 8)
+          _mm256_storeu_ps(dst + j, _mm256_div_ps(_mm256_loadu_ps(o + i * 16 + j), sum));
+      }
+    }
+  }
+}
+
+}  // namespace fma8_path
+
+// The kernel's paths this build and CPU have, fastest first: "amx" (where built for AMX-BF16 and the OS grants
+// it), "avx512" (where built for AVX-512), "avx2" (every build).
+std::vector<std::string> prefill_attention_paths() {
+  std::vector<std::string> paths;
+#ifdef SLUICE_HAVE_AMX
+  if (amx_permitted()) paths.emplace_back("amx");
 #endif
+#ifdef __AVX512F__
+  paths.emplace_back("avx512");
+#endif
+  paths.emplace_back("avx2");
+  return paths;
 }
 
 // q [T, H, D] fp32; k/v_cache [num_blocks, block_size, Hkv, D] bf16; per chunk: its first row in T, its
 // query length, its context length (its own tokens included, already in the cache) and its block table
-// row -> out [T, H, D] fp32, written at the chunks' rows only. Through AMX where granted unless `allow_amx`
-// is false (the tests run both paths on an AMX CPU), else with fp32 FMAs.
+// row -> out [T, H, D] fp32, written at the chunks' rows only. Through `path`, one of prefill_attention_paths()
+// (the tests run each), or the fastest where empty.
 void prefill_attention_kernel(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor starts,
                            torch::Tensor query_lens, torch::Tensor context_lens, torch::Tensor block_tables,
-                           double scale, torch::Tensor out, bool allow_amx) {
-  TORCH_CHECK(prefill_attention_available(), "this CPU or build has no AVX-512");
+                           double scale, torch::Tensor out, const std::string& path) {
+  const std::vector<std::string> paths = prefill_attention_paths();
+  const std::string& use = path.empty() ? paths.front() : path;
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), use) != paths.end(), "prefill attention path '", use,
+              "' is not built or not permitted here");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: contiguous fp32 [T, H, D]");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 && out.is_contiguous(), "out: like q");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kBFloat16 && k_cache.is_contiguous() &&
@@ -456,7 +634,7 @@ void prefill_attention_kernel(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
 #ifdef SLUICE_HAVE_AMX
-  if (allow_amx && amx_permitted()) {
+  if (use == "amx") {
     // Keys then values of every (chunk, KV head), each lpad * d / 2 dwords.
     std::vector<uint32_t> keys(static_cast<size_t>(packed)), values(static_cast<size_t>(packed));
     const auto* kw = reinterpret_cast<const uint32_t*>(kc);
@@ -479,23 +657,30 @@ void prefill_attention_kernel(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     return;
   }
 #endif
-#ifdef __AVX512F__
-  // Keys then values of every (chunk, KV head) in fp32, each lpad * d floats (twice the dwords above).
+  // Keys then values of every (chunk, KV head) in fp32, each lpad * d floats (twice the dwords above), for
+  // either FMA path: the same values in another layout of the keys.
   std::vector<float> keys(static_cast<size_t>(2 * packed)), values(static_cast<size_t>(2 * packed));
+  const bool wide = use == "avx512";
   parallel_pack(chunks, hkv, [&](const Chunk& c, int64_t kvh) {
     const int64_t at = 2 * c.packed + kvh * round_up(c.ctx, kKeys) * d;
-    fma_path::pack_keys(kc, bs, hkv, d, kvh, c, keys.data() + at);
-    fma_path::pack_values(vc, bs, hkv, d, kvh, c, values.data() + at);
+#ifdef __AVX512F__
+    if (wide) fma_path::pack_keys(kc, bs, hkv, d, kvh, c, keys.data() + at);
+#endif
+    if (!wide) fma8_path::pack_keys(kc, bs, hkv, d, kvh, c, keys.data() + at);
+    widen_values(vc, bs, hkv, d, kvh, c, values.data() + at);
   });
   parallel_row_tiles(chunks, h, [&](int64_t begin, int64_t end, const auto& tile_at) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const RowTile t = tile_at(task);
       const int64_t at = 2 * t.chunk->packed + (t.head / (h / hkv)) * round_up(t.chunk->ctx, kKeys) * d;
-      fma_path::attend_rows(qp, h, d, t.head, t.r0, *t.chunk, keys.data() + at, values.data() + at, sc, op, scores);
+      const float *k = keys.data() + at, *v = values.data() + at;
+#ifdef __AVX512F__
+      if (wide) fma_path::attend_rows(qp, h, d, t.head, t.r0, *t.chunk, k, v, sc, op, scores);
+#endif
+      if (!wide) fma8_path::attend_rows(qp, h, d, t.head, t.r0, *t.chunk, k, v, sc, op, scores);
     }
   });
-#endif
 }
 
 }  // namespace
@@ -503,11 +688,11 @@ void prefill_attention_kernel(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 void register_prefill_attention(pybind11::module& m) {
   using namespace sluice;
-  m.def("prefill_attention_available", &prefill_attention_available,
-        "whether prefill_attention_kernel runs on this CPU and build");
+  m.def("prefill_attention_paths", &prefill_attention_paths,
+        "prefill_attention_kernel's paths on this build and CPU, fastest first");
   m.def("prefill_attention_kernel", &prefill_attention_kernel,
-        "prefill chunks' causal attention over a bf16 paged cache, fp32 in and out (AMX split-bf16 tiles or AVX-512 FMAs)",
+        "prefill chunks' causal attention over a bf16 paged cache, fp32 in and out (AMX split-bf16 tiles, or AVX-512 or AVX2 FMAs)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("starts"),
         pybind11::arg("query_lens"), pybind11::arg("context_lens"), pybind11::arg("block_tables"),
-        pybind11::arg("scale"), pybind11::arg("out"), pybind11::arg("allow_amx") = true);
+        pybind11::arg("scale"), pybind11::arg("out"), pybind11::arg("path") = "");
 }

@@ -1,7 +1,7 @@
-"""The prefill chunks' attention in Sluice's kernel (kernels/prefill_attention.cpp), on each path this CPU has:
-AMX (q and the probabilities split in three bf16 parts each) and AVX-512 fp32 FMAs. Either lands within
-fp32-like error of exact attention, causal within each chunk over its cached context, every chunk of a step
-in one call."""
+"""The prefill chunks' attention in Sluice's kernel (kernels/prefill_attention.cpp), on each path this CPU and
+build have: AMX (q and the probabilities split in three bf16 parts each), AVX-512 and AVX2 fp32 FMAs. Each lands
+within fp32-like error of exact attention, causal within each chunk over its cached context, every chunk of a
+step in one call."""
 
 from __future__ import annotations
 
@@ -22,12 +22,9 @@ from engine_native.model.bundled import bundled_model_path
 from engine_native.sampling_params import SamplingParams
 
 _KERNELS = cpu_kernels()
-needs_kernel = pytest.mark.skipif(
-    _KERNELS is None or not _KERNELS.prefill_attention_available(),
-    reason="this CPU has no AVX-512: PyTorch's fp32 SDPA runs instead",
-)
-# The kernel's paths on this CPU: "fma" wherever it builds, "amx" too where the OS grants AMX.
-PATHS = ["fma"] + (["amx"] if _KERNELS is not None and _KERNELS.amx_q4_1_available() else [])
+needs_kernel = pytest.mark.skipif(_KERNELS is None, reason="Sluice's CPU kernels did not build here")
+# The kernel's paths on this CPU and build, fastest first: "avx2" everywhere, "avx512" and "amx" where they run.
+PATHS = _KERNELS.prefill_attention_paths() if _KERNELS is not None else ["avx2"]
 
 Chunk = tuple[int, int, int, torch.Tensor]  # start row, query length, context length, block ids
 
@@ -64,7 +61,7 @@ def _sdpa_fp32(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: list
 
 
 def _kernel(
-    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: list[Chunk], out: torch.Tensor, path: str = "fma"
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: list[Chunk], out: torch.Tensor, path: str = ""
 ) -> None:
     assert _KERNELS is not None
     tables = torch.zeros(len(chunks), max(len(c[3]) for c in chunks), dtype=torch.long)
@@ -72,7 +69,7 @@ def _kernel(
         tables[i, : len(c[3])] = c[3]
     _KERNELS.prefill_attention_kernel(
         q, kc, vc, torch.tensor([c[0] for c in chunks]), torch.tensor([c[1] for c in chunks]),
-        torch.tensor([c[2] for c in chunks]), tables, q.shape[-1] ** -0.5, out, allow_amx=path == "amx",
+        torch.tensor([c[2] for c in chunks]), tables, q.shape[-1] ** -0.5, out, path=path,
     )
 
 
@@ -117,7 +114,7 @@ def test_kernel_matches_exact_attention_about_as_closely_as_fp32(
     assert torch.all(out[others] == 7.0), "rows outside the chunks must stay untouched"
     err = (out.double() - exact)[rows].abs().max().item()
     fp32_err = (_sdpa_fp32(q, kc, vc, chunks).double() - exact)[rows].abs().max().item()
-    # bf16 alone would be ~2^-9 relative (errors ~1e-2 here); split in two parts ~2^-17. The FMA path computes
+    # bf16 alone would be ~2^-9 relative (errors ~1e-2 here); split in two parts ~2^-17. The FMA paths compute
     # in fp32 throughout.
     assert err < 1e-4
     assert err < 30 * fp32_err + 1e-6
@@ -134,6 +131,8 @@ def test_bad_inputs_are_refused_with_a_message() -> None:
         _kernel(q, kc, vc, [(q.shape[0] - 4, 16, 32, chunks[0][3])], out)
     with pytest.raises(RuntimeError, match="block id"):
         _kernel(q, kc, vc, [(0, 16, 32, torch.tensor([0, 10_000]))], out)
+    with pytest.raises(RuntimeError, match="not built or not permitted"):
+        _kernel(q, kc, vc, chunks, out, path="neon")
 
 
 def _first_token_logprobs(engine: LLMEngine, prompts: list[list[int]]) -> list[dict[int, float]]:
