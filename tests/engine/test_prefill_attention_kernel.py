@@ -21,8 +21,9 @@ from engine_native.model.attention import (
 from engine_native.model.bundled import bundled_model_path
 from engine_native.sampling_params import SamplingParams
 
+# No skip where they are missing: they build on every host CI runs on (tests/engine/test_quant.py asserts it), so
+# a missing kernel fails these tests rather than passing nothing.
 _KERNELS = cpu_kernels()
-needs_kernel = pytest.mark.skipif(_KERNELS is None, reason="Sluice's CPU kernels did not build here")
 # The kernel's paths on this CPU and build, fastest first: "avx2" everywhere, "avx512" and "amx" where they run.
 PATHS = _KERNELS.prefill_attention_paths() if _KERNELS is not None else ["avx2"]
 
@@ -93,7 +94,6 @@ def _case(heads: int, kv_heads: int, d: int, specs: list[tuple[int, int]], seed:
 
 # (9, 3, 64) is SmolLM2's; (4, 4, 32) no grouping; (8, 2, 128) four query heads a KV head, two 64-column
 # halves of P.V per pass. Chunks: whole prompts, chunks over a cached context, lengths off every tile size.
-@needs_kernel
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 @pytest.mark.parametrize(
@@ -120,7 +120,6 @@ def test_kernel_matches_exact_attention_about_as_closely_as_fp32(
     assert err < 30 * fp32_err + 1e-6
 
 
-@needs_kernel
 def test_bad_inputs_are_refused_with_a_message() -> None:
     assert _KERNELS is not None
     q, kc, vc, chunks = _case(9, 3, 64, [(16, 32)], seed=1)
@@ -148,7 +147,6 @@ def _first_token_logprobs(engine: LLMEngine, prompts: list[list[int]]) -> list[d
     return [tops[f"p{i}"] for i in range(len(prompts))]
 
 
-@needs_kernel
 def test_the_engine_takes_the_kernel_by_default_and_stays_as_close_to_exact_attention_as_sdpa() -> None:
     """The bundled model, bf16 with a bf16 cache, prompts of several lengths prefilled together: the first
     token's logprobs through the kernel sit about as near those with float64 attention as PyTorch's fp32
@@ -199,7 +197,6 @@ def test_the_plan_hands_prefills_to_the_kernel_only_in_fp32() -> None:
     assert bf16.prefill_kernel is None
 
 
-@needs_kernel
 @pytest.mark.parametrize("path", PATHS)
 def test_how_the_work_is_split_over_threads_changes_no_bit(path: str) -> None:
     """Row tiles go to the threads by the keys they see (kernels/balance.h), a tile whole to one thread: a step of
