@@ -44,12 +44,10 @@ def save_random_model(path: Path, tokenizer_dir: Path | None = None) -> None:
 
 def export_tokenizer(gguf_path: str, dest: Path) -> None:
     """The GGUF file's tokenizer as tokenizer.json + tokenizer_config.json (what hf_loader reads back)."""
-    from gguf import GGUFReader
-
-    from engine_native.model.gguf_loader import read_metadata
+    from engine_native.model.gguf_file import read_gguf
     from engine_native.model.gguf_tokenizer import tokenizer_from_gguf
 
-    tok = tokenizer_from_gguf(read_metadata(GGUFReader(gguf_path)))
+    tok = tokenizer_from_gguf(read_gguf(gguf_path).meta)
     dest.mkdir(parents=True, exist_ok=True)
     tok.backend.save(str(dest / "tokenizer.json"))
     config = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos_token,

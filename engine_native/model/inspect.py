@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from math import prod
 
 import torch
-from gguf import GGUFReader
 
 from engine_native.config import ModelConfig
 from engine_native.model.base import ModelLoadError, ModelNotFoundError
-from engine_native.model.gguf_loader import config_from_metadata, read_metadata
+from engine_native.model.gguf_file import read_gguf
+from engine_native.model.gguf_loader import config_from_metadata
 from engine_native.model.hf_loader import _read_json, config_from_hf
 from engine_native.precision import parse_dtype
 
@@ -47,11 +47,11 @@ def inspect_model(path: str, dtype: str = "auto") -> ModelSummary:
         if not os.path.isfile(path):
             raise ModelNotFoundError(f"GGUF file not found: {path}")
         try:
-            reader = GGUFReader(path)
+            header = read_gguf(path)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot read {path} as GGUF: {exc}") from exc
-        config = config_from_metadata(read_metadata(reader), os.path.basename(path))
-        params = sum(int(t.n_elements) for t in reader.tensors)
+        config = config_from_metadata(header.meta, os.path.basename(path))
+        params = sum(t.n_elements for t in header.tensors)
         return ModelSummary(config, params, params * elem + os.path.getsize(path))
     if os.path.isdir(path):
         config_path = os.path.join(path, "config.json")

@@ -12,10 +12,9 @@ import os
 from typing import Any
 
 import torch
-from gguf import GGUFReader
 
 from engine_native.model.base import LoadedModel, ModelLoadError, ModelNotFoundError, Tokenizer
-from engine_native.model.gguf_loader import load_gguf, read_metadata
+from engine_native.model.gguf_loader import load_gguf, open_gguf
 from engine_native.model.gguf_tokenizer import tokenizer_from_gguf
 from engine_native.model.hf_loader import load_hf_folder, load_hf_tokenizer
 
@@ -39,7 +38,7 @@ def load_tokenizer(path: str) -> Tokenizer | None:
     if path.lower().endswith(".gguf"):
         if not os.path.isfile(path):
             raise ModelNotFoundError(f"GGUF file not found: {path}")
-        return tokenizer_from_gguf(read_metadata(GGUFReader(path)))
+        return tokenizer_from_gguf(open_gguf(path).meta)
     if os.path.isdir(path):
         return load_hf_tokenizer(path, _read_json_if_exists(os.path.join(path, "config.json")))
     raise ModelNotFoundError(f"model path not found: {path}")

@@ -116,21 +116,21 @@ def _gguf_reader(t: Any, unpermute_head_dim: int) -> SliceReader:
 def _load_gguf_shard(
     path: str, dtype: torch.dtype, placement: Placement, clock: CollectiveClock, with_tokenizer: bool
 ) -> LoadedModel:
-    reader, meta, cfg, permuted = open_gguf(path)
-    names = {gguf_name_to_hf(t.name) for t in reader.tensors}
+    tensors, meta, cfg, permuted = open_gguf(path)
+    names = {gguf_name_to_hf(t.name) for t in tensors}
     updates: dict[str, Any] = {"tie_word_embeddings": "lm_head.weight" not in names}
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    embed = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embed is not None and int(embed.shape[-1]) != cfg.vocab_size:  # gguf shapes are (cols, rows)
         updates["vocab_size"] = int(embed.shape[-1])
     cfg = replace(cfg, **updates)
     plan = _plan(cfg, placement)
     shards: dict[str, torch.Tensor] = {}
-    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    rope_freqs = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:
         array = np.asarray(dequantize(rope_freqs.data, rope_freqs.tensor_type), dtype=np.float32)
         cfg = replace(cfg, rope_scaling=_llama3_from_rope_freqs(cfg, array, path))
         plan = _plan(cfg, placement)
-    for t in reader.tensors:
+    for t in tensors:
         name = gguf_name_to_hf(t.name)
         if name is None or not plan.keeps(name):
             continue

@@ -7,10 +7,10 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine_native.model.bundled import bundled_model_path
+from engine_native.model.gguf_file import read_gguf
 from engine_native.model.quant import Q41Weight, Q80Weight, q4_1_from_gguf, q8_0_from_gguf
 
 
@@ -18,7 +18,7 @@ def bundled_blocks(names: Iterable[str]) -> dict[str, tuple[Q41Weight | Q80Weigh
     """name -> (its Q4_1 or Q8_0 blocks, the same weight dequantized to fp32 by gguf-py)."""
     wanted = set(names)
     out: dict[str, tuple[Q41Weight | Q80Weight, torch.Tensor]] = {}
-    for t in GGUFReader(bundled_model_path()).tensors:
+    for t in read_gguf(bundled_model_path()).tensors:
         if t.name in wanted:
             blocks = q4_1_from_gguf(t.data) if t.tensor_type.name == "Q4_1" else q8_0_from_gguf(t.data)
             dense = torch.from_numpy(np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
