@@ -215,7 +215,8 @@ def test_greedy_answers_of_a_batch_of_12_are_as_faithful_as_onednns() -> None:
     greedy output, must agree with the panels' tokens at least as often as with oneDNN's (minus 0.01), and
     find none more than 1 nat below its best (the bar of test_numerics.py). Where no panels are made (no
     AVX-512 BF16, or AMX) both engines are oneDNN's: the same answers, held to the same bar."""
-    from test_numerics import _hf, agreement
+    from hf_bundled import hf_bundled
+    from test_numerics import agreement
 
     questions = ["What is the capital of France?", "Name three primary colours.", "What is 12 times 12?",
                  "Write one sentence about the sea.", "Give me a word that rhymes with cat.",
@@ -237,7 +238,7 @@ def test_greedy_answers_of_a_batch_of_12_are_as_faithful_as_onednns() -> None:
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     got = panel.generate(prompts, greedy)
     assert "Paris" in tok.decode(got[0])
-    hf_fp32 = _hf(torch.float32)
+    hf_fp32 = hf_bundled(torch.float32)
     rate, worst_gap = agreement(hf_fp32, prompts, got)
     onednn_got = onednn.generate(prompts, greedy)
     if not panels_on_here:

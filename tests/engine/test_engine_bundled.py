@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from hf_bundled import hf_bundled
 
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_native.detokenizer import IncrementalDetokenizer
@@ -57,11 +57,7 @@ def prompts(loaded) -> list[list[int]]:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def hf_greedy(prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
-
-    path = Path(bundled_model_path())
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
+    model = hf_bundled(torch.float32)
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -9,12 +9,12 @@ import sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 sys.path.insert(0, os.path.dirname(__file__))
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hf_bundled import hf_bundled
 from test_model_support import PagedSequences
 
 from engine_native.model.base import LoadedModel
@@ -53,11 +53,8 @@ def smol_hf_tokenizer(smol_dir: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def smol_hf_model(smol_dir: Path) -> Iterator[Any]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(smol_dir), gguf_file="model.gguf", dtype=torch.float32)
-    yield model.eval()
+def smol_hf_model() -> Any:
+    return hf_bundled(torch.float32)
 
 
 def test_config_from_metadata(smol_ours: LoadedModel) -> None:

@@ -10,13 +10,13 @@ so is the opt-in prefill attention in the KV cache's dtype (bf16).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from hf_bundled import hf_bundled
 
 from engine_native.config import CacheConfig, EngineConfig
 from engine_native.engine import LLMEngine
@@ -36,17 +36,9 @@ QUESTIONS = [
 ]
 
 
-def _hf(dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    path = Path(bundled_model_path())
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def hf_fp32() -> Any:
-    return _hf(torch.float32)
+    return hf_bundled(torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +75,7 @@ def agreement(model: Any, prompts: list[list[int]], outputs: list[list[int]]) ->
 
 @pytest.fixture(scope="module")
 def hf_bf16_agreement(hf_fp32: Any, prompts: list[list[int]]) -> float:
-    hf_bf16 = _hf(torch.bfloat16)
+    hf_bf16 = hf_bundled(torch.bfloat16)
     outputs = []
     for p in prompts:
         with torch.no_grad():

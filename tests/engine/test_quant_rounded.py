@@ -15,7 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 from bundled_blocks import bundled_blocks
-from test_numerics import NEW_TOKENS, QUESTIONS, _hf, agreement
+from hf_bundled import hf_bundled
+from test_numerics import NEW_TOKENS, QUESTIONS, agreement
 from test_quant import _greedy_with_top2, _same_but_near_ties
 
 from engine_native.config import CacheConfig, EngineConfig
@@ -143,7 +144,7 @@ def test_the_engine_decodes_a_single_stream_through_int16_as_faithfully_as_fp32(
     together = engines[2].generate(prompts, params)
     assert together == engines[0].generate(prompts, params)  # steps of 8: fp32 in both
     same = _same_but_near_ties(alone, together)
-    hf = _hf(torch.float32)
+    hf = hf_bundled(torch.float32)
     rate, worst = agreement(hf, prompts, [[e.token_id for e in a] for a in alone])
     fp32_rate, _ = agreement(hf, prompts, fp32_alone)
     print(f"int16 single stream: agreement with HF fp32 {rate:.3f} (fp32 products {fp32_rate:.3f}), worst gap "
@@ -166,7 +167,7 @@ def test_the_engine_decodes_a_single_stream_through_int8_near_hf_fp32() -> None:
     assert alone[1] != alone[0]  # the single stream went through the int8 products
     # Eight at once decode in steps of 8 rows: fp32, the default's tokens exactly.
     assert engines[1].generate(prompts, params) == engines[0].generate(prompts, params)
-    rate, worst = agreement(_hf(torch.float32), prompts, alone[1])
+    rate, worst = agreement(hf_bundled(torch.float32), prompts, alone[1])
     print(f"int8 single stream: agreement with HF fp32 {rate:.3f}, worst gap {worst:.3f} nat")
     assert rate >= 0.95
     assert worst <= 1.0
