@@ -105,6 +105,8 @@ def read_gguf(path: str) -> GGUFHeader:
         return _parse(buf)
     except struct.error as exc:
         raise ValueError(f"{path} ends inside its GGUF header") from exc
+    except RecursionError as exc:  # arrays of arrays nested beyond any real file's
+        raise ValueError(f"{path} nests arrays too deeply") from exc
 
 
 def _parse(buf: mmap.mmap) -> GGUFHeader:

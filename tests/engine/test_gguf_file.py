@@ -114,6 +114,12 @@ def test_a_file_cut_anywhere_or_malformed_is_refused_with_valueerror(tmp_path: P
     bad.write_bytes(whole[:4] + (1).to_bytes(4, "little") + whole[8:])
     with pytest.raises(ValueError, match="version 1"):
         read_gguf(str(bad))
+    nested = b"".join([b"GGUF", (3).to_bytes(4, "little"), (0).to_bytes(8, "little"), (1).to_bytes(8, "little"),
+                       (1).to_bytes(8, "little"), b"k", (9).to_bytes(4, "little")])
+    nested += ((9).to_bytes(4, "little") + (1).to_bytes(8, "little")) * 100_000  # arrays of arrays of ...
+    bad.write_bytes(nested)
+    with pytest.raises(ValueError, match="nests arrays too deeply"):
+        read_gguf(str(bad))
     for path_ in (cut, bad):
         with pytest.raises(ModelLoadError):
             inspect_model(str(path_))
