@@ -2,8 +2,8 @@
 with gguf-py): the reference the engine tests hold Sluice's outputs to.
 
 Loading it takes ~15 s on these hosts (transformers converts the whole file, vocabulary included, on every
-load), and five test files need it (seven loads a run before), so each dtype is loaded once per test process and shared. The tests only
-run it (eval mode, no gradients) and never change it."""
+load), and five test files need it (seven loads a run before), so each dtype is loaded once per test process
+and shared. The tests only run it (eval mode, no gradients) and never change it."""
 
 from __future__ import annotations
 
