@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quant_shape_to_byte_shape
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -151,12 +152,9 @@ def _parse(buf: mmap.mmap) -> GGUFHeader:
         n_elements = int(np.prod(dims, dtype=np.int64))
         rows_first = tuple(reversed(dims))
         if kind in _ELEMENT_DTYPES:
-            dtype = _ELEMENT_DTYPES[kind]
-            shape = rows_first
-        else:
-            if rows_first[-1] % block:
-                raise ValueError(f"tensor {name}: {rows_first[-1]} columns are not whole blocks of {block}")
-            dtype, shape = np.uint8, (*rows_first[:-1], rows_first[-1] // block * type_size)
+            dtype, shape = _ELEMENT_DTYPES[kind], rows_first
+        else:  # raises ValueError where a row is not whole blocks
+            dtype, shape = np.uint8, quant_shape_to_byte_shape(rows_first, kind)
         n_bytes = n_elements * type_size // block
         lo = start + offset
         if lo + n_bytes > len(buf):
