@@ -331,25 +331,48 @@ def test_shape_mismatch_is_an_error() -> None:
         Sampler()(torch.zeros(2, 4), [_row(SamplingParams())])
 
 
-def test_the_fused_draw_picks_what_the_inverse_cdf_picks() -> None:
-    """kernels/sample.cpp draws a row's token in one pass; at the same uniform it picks the token
-    PyTorch's softmax, cumsum and search pick (up to float rounding at a boundary)."""
+@pytest.mark.parametrize("vocab", [4096, 1000, 50])
+def test_the_fused_draw_picks_what_the_inverse_cdf_picks(vocab: int) -> None:
+    """kernels/sample.cpp draws a row's token in two passes and a walk over block sums; at the same uniform
+    it picks the token PyTorch's softmax, cumsum and search pick (up to float rounding at a boundary), for
+    vocabularies of whole 64-token blocks, of a part block at the end, and of less than one block."""
     from engine_native.kernels import cpu_kernels
 
     kernels = cpu_kernels()
     assert kernels is not None
     g = torch.Generator().manual_seed(5)
-    logits = torch.randn(400, 4096, generator=g) * 3
+    logits = torch.randn(400, vocab, generator=g) * 3
     logits[:, 7] = float("-inf")  # a masked token is never drawn
     inverse = torch.rand(400, generator=g) * 2 + 0.25
     uniforms = torch.rand(400, generator=g)
     ours = kernels.sample_rows(logits, inverse, uniforms)
-    probs = torch.softmax(logits * inverse[:, None], dim=-1)
+    probs = torch.softmax(logits.double() * inverse[:, None].double(), dim=-1)
     cdf = probs.cumsum(dim=-1)
-    theirs = torch.searchsorted(cdf, (uniforms[:, None] * cdf[:, -1:]), right=True).squeeze(1)
+    theirs = torch.searchsorted(cdf, (uniforms[:, None].double() * cdf[:, -1:]), right=True).squeeze(1)
     assert (ours == theirs).float().mean() >= 0.99
     assert not (ours == 7).any()
     assert torch.equal(kernels.sample_rows(logits, inverse, torch.zeros(400)), (probs > 0).float().argmax(-1))
+    # The last token of the vocabulary is drawn where u sits past everything before it.
+    last = torch.full((1, vocab), float("-inf"))
+    last[0, vocab - 1] = 0.0
+    assert kernels.sample_rows(last, torch.ones(1), torch.tensor([0.999])).tolist() == [vocab - 1]
+
+
+def test_the_fused_draw_of_rows_without_a_finite_maximum() -> None:
+    """A row with +inf draws its first +inf; a row of -inf and NaN only draws token 0 (the first maximum as
+    `>` sees it); NaNs beside finite logits are skipped by the maximum and never win it."""
+    from engine_native.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    assert kernels is not None
+    logits = torch.zeros(3, 200)
+    logits[0, 130] = logits[0, 190] = float("inf")
+    logits[1] = float("-inf")
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("nan")
+    logits[2, 150] = 50.0  # e^-50 for every other token: u below 1 - 2e-20 lands here
+    drawn = kernels.sample_rows(logits, torch.ones(3), torch.tensor([0.5, 0.5, 0.5])).tolist()
+    assert drawn == [130, 0, 150]
 
 
 def test_the_argmax_kernel_picks_what_torch_argmax_picks() -> None:
