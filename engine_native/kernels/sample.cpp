@@ -90,9 +90,8 @@ int64_t first_max(const float* logits, int64_t v) {
 // falls within rounding of a boundary between two tokens.
 int64_t sample_row(const float* logits, int64_t v, float inv_t, float u, std::vector<double>& sums) {
   // The row padded to whole blocks with -inf (numerator 0); a vocabulary of whole blocks is read in place.
-  const int64_t padded = (v + kWalkBlock - 1) / kWalkBlock * kWalkBlock, blocks = padded / kWalkBlock;
+  const int64_t blocks = (v + kWalkBlock - 1) / kWalkBlock, whole = v / kWalkBlock * kWalkBlock;
   alignas(64) float tail[kWalkBlock];
-  const int64_t whole = v / kWalkBlock * kWalkBlock;
   if (whole < v) {
     std::fill(tail, tail + kWalkBlock, -INFINITY);
     std::copy(logits + whole, logits + v, tail);

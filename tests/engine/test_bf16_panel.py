@@ -237,7 +237,9 @@ def test_greedy_answers_of_a_batch_of_12_are_as_faithful_as_onednns() -> None:
                for q in questions]
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     got = panel.generate(prompts, greedy)
-    assert "Paris" in tok.decode(got[0])
+    # No check of one answer's words: a near tie goes either way whatever the kernel (on an AMX host question 0's
+    # first token is "The" 0.06 nat ahead of "L" alone, and the two tie exactly in the batch's bf16-rounded
+    # logits, where the first index, "L", wins). Hugging Face's agreement below holds the answers' sense.
     hf_fp32 = hf_bundled(torch.float32)
     rate, worst_gap = agreement(hf_fp32, prompts, got)
     onednn_got = onednn.generate(prompts, greedy)
@@ -247,4 +249,5 @@ def test_greedy_answers_of_a_batch_of_12_are_as_faithful_as_onednns() -> None:
     print(f"agreement with HF fp32: panels {rate:.3f} (worst gap {worst_gap:.3f} nat), "
           f"oneDNN {onednn_rate:.3f} ({onednn_gap:.3f})")
     assert rate >= onednn_rate - 0.01
+    assert rate >= 0.9
     assert worst_gap <= 1.0
