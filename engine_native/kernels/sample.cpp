@@ -28,6 +28,16 @@ namespace {
 // step on the AMX host, 11% of its decode step).
 constexpr int64_t kWalkBlock = 64;
 
+// The largest of 8 lanes (a NaN lane is skipped, as std::max(mx, NaN) keeps mx); both the walk's max and
+// argmax_row's.
+inline float hmax(__m256 v) {
+  float lanes[8];
+  _mm256_storeu_ps(lanes, v);
+  float mx = lanes[0];
+  for (int k = 1; k < 8; ++k) mx = std::max(mx, lanes[k]);
+  return mx;
+}
+
 #ifdef __AVX512F__
 constexpr int64_t kLanes = 16;
 // e^(x * inv_t - mx * inv_t) of 16 logits: exp_ps's values lane by lane (exp16_ps), as the 8-lane build.
@@ -57,11 +67,7 @@ inline __m256 numerators(const float* x, __m256 vt, __m256 vmx) {
 inline float row_max(const float* x, int64_t v) {
   __m256 m = _mm256_set1_ps(-INFINITY);
   for (int64_t i = 0; i < v; i += kLanes) m = _mm256_max_ps(_mm256_loadu_ps(x + i), m);
-  float lanes[8];
-  _mm256_storeu_ps(lanes, m);
-  float mx = lanes[0];
-  for (int k = 1; k < 8; ++k) mx = std::max(mx, lanes[k]);
-  return mx;
+  return hmax(m);
 }
 inline double block_sum(const float* x, __m256 vt, __m256 vmx) {
   __m256 s = numerators(x, vt, vmx);
@@ -133,10 +139,7 @@ int64_t argmax_row(const float* x, int64_t v) {
     vmax = _mm256_max_ps(vmax, y);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
   }
-  float lanes[8];
-  _mm256_storeu_ps(lanes, vmax);
-  float mx = lanes[0];
-  for (int k = 1; k < 8; ++k) mx = std::max(mx, lanes[k]);
+  float mx = hmax(vmax);
   bool has_nan = _mm256_movemask_ps(nan) != 0;
   for (int64_t j = i; j < v; ++j) {
     if (std::isnan(x[j])) has_nan = true;
