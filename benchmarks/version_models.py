@@ -17,7 +17,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from engine_native.model.bundled import bundled_model_path
-from engine_native.model.loader import load_tokenizer
+from engine_native.model.tokenizer_loader import load_tokenizer
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 32, 64, 2, 1
 

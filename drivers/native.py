@@ -44,9 +44,9 @@ from engine_native.client import AsyncEngineClient
 from engine_native.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from engine_native.messages import AddRequest, LogprobEntry, RequestOutput
 from engine_native.messages import FinishReason as EngineFinishReason
-from engine_native.model.base import Tokenizer
 from engine_native.model.bundled import bundled_model_path
-from engine_native.model.loader import load_tokenizer
+from engine_native.model.tokenizer import Tokenizer
+from engine_native.model.tokenizer_loader import load_tokenizer
 from engine_native.sampling_params import SamplingParams
 from engine_native.step_trace import trace_file_name
 from observability.node_health import NodeHealthConfig

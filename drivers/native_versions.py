@@ -16,7 +16,7 @@ from drivers.hosting import DeployRefusal, DeployRefusedError, Footprint, Versio
 from drivers.native import NativeDriver, NativeDriverConfig
 from drivers.options import EngineOptions
 from drivers.versioned import VersionedDriver
-from engine_native.model.base import ModelLoadError, ModelNotFoundError, UnsupportedArchitectureError
+from engine_native.model.errors import ModelLoadError, ModelNotFoundError, UnsupportedArchitectureError
 from engine_native.model.inspect import inspect_model
 from engine_native.sizing import DEFAULT_MAX_KV_BYTES, available_memory_bytes
 

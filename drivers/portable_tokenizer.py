@@ -21,7 +21,7 @@ import msgspec
 from drivers.base import GenerationRequest, InvalidRequestError
 
 if TYPE_CHECKING:
-    from engine_native.model.base import Tokenizer
+    from engine_native.model.tokenizer import Tokenizer
 
 
 class HFTokenizerSpec(msgspec.Struct, frozen=True, tag="hf"):

@@ -24,7 +24,7 @@ so the result does not depend on where token boundaries fall.
 
 from __future__ import annotations
 
-from engine_native.model.base import Tokenizer
+from engine_native.model.tokenizer import Tokenizer
 from engine_native.sampling_params import SamplingParams
 
 # How many prompt tokens seed the prefix window: enough for the tokenizer to

@@ -54,13 +54,6 @@ def device_memory_info(device: torch.device) -> MemoryInfo | None:
     return lambda: torch.cuda.mem_get_info(device)
 
 
-def kv_budget_bytes(free_bytes: int, fraction: float) -> int:
-    """The KV pool's share of a device's free memory."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"device_memory_fraction must be in (0, 1], not {fraction}")
-    return int(free_bytes * fraction)
-
-
 def describe(device: torch.device) -> str:
     """A device as logs and /admin/nodes name it: 'cpu', or 'cuda:0 (NVIDIA H200)'."""
     if device.type != "cuda":

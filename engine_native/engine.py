@@ -29,7 +29,7 @@ from engine_native.host_memory import retain_freed_memory
 from engine_native.kv_cache_manager import KVCacheManager
 from engine_native.messages import EngineStats, LogprobEntry, LogprobTop, RequestOutput
 from engine_native.model.attention_backends import SDPA, build_attention_backend, resolve_backend_name
-from engine_native.model.base import CausalLM, LoadedModel, Tokenizer
+from engine_native.model.base import CausalLM, LoadedModel
 from engine_native.model.llama import (
     QUANTIZED_MAX_ROWS,
     QUANTIZED_MAX_ROWS_BESIDE_BF16_PANELS,
@@ -42,6 +42,7 @@ from engine_native.model.quant import (
     ActivationRounding,
     int16_activations_pay,
 )
+from engine_native.model.tokenizer import Tokenizer
 from engine_native.precision import parse_dtype
 from engine_native.request import Request, RequestStatus
 from engine_native.runner import ModelRunner

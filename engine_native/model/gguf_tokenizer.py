@@ -15,7 +15,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine_native.model.base import ModelLoadError
+from engine_native.model.errors import ModelLoadError
 from engine_native.model.tokenizer import TextTokenizer
 
 _CONTROL = 3

@@ -15,14 +15,12 @@ import struct
 from dataclasses import dataclass
 from math import prod
 
-import torch
-
 from engine_native.config import ModelConfig
-from engine_native.model.base import ModelLoadError, ModelNotFoundError
+from engine_native.model.errors import ModelLoadError, ModelNotFoundError
+from engine_native.model.gguf_config import config_from_metadata
 from engine_native.model.gguf_file import read_gguf
-from engine_native.model.gguf_loader import config_from_metadata
-from engine_native.model.hf_loader import _read_json, config_from_hf
-from engine_native.precision import parse_dtype
+from engine_native.model.hf_config import config_from_hf, read_json_object
+from engine_native.precision import ELEMENT_BYTES, dtype_name
 
 _SAFETENSORS_HEADER_MAX = 100 * 1024 * 1024  # the format's own bound on a header
 
@@ -42,7 +40,7 @@ class ModelSummary:
 
 def inspect_model(path: str, dtype: str = "auto") -> ModelSummary:
     """Raises ModelNotFoundError (nothing at `path`), UnsupportedArchitectureError, or ModelLoadError."""
-    elem = torch.empty((), dtype=parse_dtype(dtype)).element_size()
+    elem = ELEMENT_BYTES[dtype_name(dtype)]
     if path.lower().endswith(".gguf"):
         if not os.path.isfile(path):
             raise ModelNotFoundError(f"GGUF file not found: {path}")
@@ -57,7 +55,7 @@ def inspect_model(path: str, dtype: str = "auto") -> ModelSummary:
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
             raise ModelLoadError(f"{path} has no config.json")
-        config = config_from_hf(_read_json(config_path), os.path.basename(os.path.normpath(path)))
+        config = config_from_hf(read_json_object(config_path), os.path.basename(os.path.normpath(path)))
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise ModelLoadError(f"{path} has config.json but no *.safetensors weights")

@@ -33,7 +33,6 @@ from engine_native.forward_batch import ForwardBatch, KVCache
 from engine_native.kernels import cpu_kernels
 from engine_native.model.attention import AttentionPlan, paged_attention, prefill_kernel_fits, write_kv
 from engine_native.model.attention_backends import AttentionBackend, StepAttention
-from engine_native.model.base import ModelLoadError
 from engine_native.model.bf16_panel import MAX_MEMORY_FRACTION as BF16_PANEL_MEMORY_FRACTION
 from engine_native.model.bf16_panel import (
     Bf16Panel,
@@ -43,6 +42,7 @@ from engine_native.model.bf16_panel import (
     panels_fit_in_memory,
     to_bf16_panel,
 )
+from engine_native.model.errors import ModelLoadError
 from engine_native.model.quant import (
     NO_ROUNDING,
     ActivationRounding,

@@ -10,11 +10,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
+
+
+class Tokenizer(Protocol):
+    bos_token_id: int | None
+    eos_token_ids: list[int]  # every id that ends generation (e.g. <|im_end|> and <|endoftext|>)
+    add_bos_token: bool
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def id_to_token(self, token_id: int) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render OpenAI-style messages with the model's own template; raise ValueError on bad roles."""
+        ...
+
 
 # Control tokens that end an assistant turn in the chat formats we serve; any that the
 # vocabulary has are added to eos_token_ids so generation stops at the end of a turn.

@@ -20,16 +20,18 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 
 from engine_native.config import ModelConfig
-from engine_native.model.base import LoadedModel, ModelLoadError, ModelNotFoundError
+from engine_native.model.base import LoadedModel
+from engine_native.model.errors import ModelLoadError, ModelNotFoundError
+from engine_native.model.gguf_config import open_gguf
 from engine_native.model.gguf_loader import (
     SUPPORTED_TENSOR_TYPES,
     _llama3_from_rope_freqs,
     gguf_name_to_hf,
-    open_gguf,
     unpermute_qk,
 )
 from engine_native.model.gguf_tokenizer import tokenizer_from_gguf
-from engine_native.model.hf_loader import _read_json, config_from_hf, load_hf_tokenizer
+from engine_native.model.hf_config import config_from_hf, read_json_object
+from engine_native.model.hf_tokenizer import load_hf_tokenizer
 from engine_native.parallel.comm import CollectiveClock
 from engine_native.parallel.placement import Placement
 from engine_native.parallel.sharding import ShardPlan, SliceReader
@@ -66,7 +68,7 @@ def _build(
 def _load_hf_shard(
     path: str, dtype: torch.dtype, placement: Placement, clock: CollectiveClock, with_tokenizer: bool
 ) -> LoadedModel:
-    raw = _read_json(os.path.join(path, "config.json"))
+    raw = read_json_object(os.path.join(path, "config.json"))
     cfg = config_from_hf(raw, path)
     plan = _plan(cfg, placement)
     shards: dict[str, torch.Tensor] = {}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from benchmarks.random_model import export_tokenizer
 from engine_native.model.bundled import bundled_model_path
-from engine_native.model.hf_loader import load_hf_tokenizer
-from engine_native.model.loader import load_tokenizer
+from engine_native.model.hf_tokenizer import load_hf_tokenizer
+from engine_native.model.tokenizer_loader import load_tokenizer
 
 TEXTS = ["Hello, world!", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n", "naïve café — 日本語 🙂", "  spaces\t\ttabs\n\n"]
 

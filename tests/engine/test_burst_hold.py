@@ -18,7 +18,7 @@ from engine_native.client import AsyncEngineClient
 from engine_native.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_native.messages import AddRequest, RequestOutput
 from engine_native.model.bundled import bundled_model_path
-from engine_native.model.loader import load_tokenizer
+from engine_native.model.tokenizer_loader import load_tokenizer
 from engine_native.sampling_params import SamplingParams
 from engine_native.step_trace import read_trace
 

@@ -11,11 +11,17 @@ import pytest
 import torch
 
 from engine_native.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine_native.device import compute_dtype, kv_budget_bytes, resolve_device
+from engine_native.device import compute_dtype, resolve_device
 from engine_native.engine import LLMEngine
 from engine_native.model.attention_backends import resolve_backend_name
 from engine_native.precision import parse_dtype
-from engine_native.sizing import DEFAULT_CUDA_SWAP_BYTES, kv_bytes_per_block, num_kv_blocks, num_swap_blocks
+from engine_native.sizing import (
+    DEFAULT_CUDA_SWAP_BYTES,
+    kv_budget_bytes,
+    kv_bytes_per_block,
+    num_kv_blocks,
+    num_swap_blocks,
+)
 from engine_native.swap import PreemptionCost
 
 MODEL = ModelConfig(

@@ -13,11 +13,11 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from engine_native.model.base import ModelLoadError
 from engine_native.model.bundled import bundled_model_path
+from engine_native.model.errors import ModelLoadError
 from engine_native.model.gguf_file import read_gguf
 from engine_native.model.inspect import inspect_model
-from engine_native.model.loader import load_tokenizer
+from engine_native.model.tokenizer_loader import load_tokenizer
 
 
 def _gguf_py(path: str) -> tuple[dict[str, Any], list[Any]]:

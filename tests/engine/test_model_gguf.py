@@ -22,7 +22,7 @@ from transformers import LlamaConfig, Qwen2Config
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import Qwen2ForCausalLM as HFQwen2
 
-from engine_native.model.base import ModelLoadError
+from engine_native.model.errors import ModelLoadError
 from engine_native.model.gguf_loader import permute_qk, unpermute_qk
 from engine_native.model.loader import load_model
 

@@ -19,7 +19,7 @@ from drivers.fleet.tokenizers import GatewayTokenizers
 from drivers.fleet.wire import WorkerInfo, WorkerState
 from drivers.portable_tokenizer import SPEC_DECODER, PromptTokenizer, encode_prompt, fingerprint, hf_spec
 from engine_native.model.bundled import bundled_model_path
-from engine_native.model.loader import load_tokenizer
+from engine_native.model.tokenizer_loader import load_tokenizer
 
 CHAT = [ChatMessage("system", "You are terse."), ChatMessage("user", "Name three primary colours.")]
 

@@ -20,7 +20,7 @@ import pytest
 from litestar.testing import TestClient
 
 from drivers.native import NativeDriver, NativeDriverConfig
-from engine_native.model.base import Tokenizer
+from engine_native.model.tokenizer import Tokenizer
 from gateway.app import create_app
 from gateway.settings import Settings
 from gateway.validation import MAX_BYTES_PER_TOKEN

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -213,6 +214,18 @@ def test_a_client_gone_before_a_non_streamed_answer_aborts_it(native: Server) ->
         time.sleep(0.05)
         stats = native.stats()
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_the_gateway_process_tokenizes_and_sizes_the_model_without_torch(native: Server, client: openai.OpenAI) -> None:
+    """torch and the weights live in the engine's process only: the gateway reads the tokenizer and the
+    model's size from the file's header (engine_native/model/tokenizer_loader.py, inspect.py), so its own
+    process never maps libtorch (~200 MB and ~1.6 s of a start)."""
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert resp.usage is not None and resp.usage.prompt_tokens > 0
+    assert native.stats()["ready"] is True  # its size was read while it loaded (drivers/versioned.py, start)
+    maps = Path(f"/proc/{native.process.pid}/maps").read_text()
+    assert "libtorch" not in maps
+    assert "tokenizers" in maps  # the process the test reads is the one that tokenizes
 
 
 def test_the_server_answers_while_the_model_loads() -> None:
