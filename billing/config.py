@@ -6,9 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from billing.models import COMPLETION, PROMPT
-
 DAY_S = 86_400
+PROMPT, COMPLETION = "prompt", "completion"  # the two meters a tenant's tokens are billed on
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from typing import Any
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from billing.models import COMPLETION, PROMPT, BillingLine
+from billing.config import COMPLETION, PROMPT
+from billing.models import BillingLine
 from tenants.models import utcnow
 from tenants.usage import UsageEvent
 

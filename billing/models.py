@@ -23,8 +23,6 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from tenants.models import Base, UTCDateTime, utcnow
 
-PROMPT, COMPLETION = "prompt", "completion"
-
 
 class EventStatus(enum.StrEnum):
     PENDING = "pending"

@@ -261,8 +261,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
 
 def _add_fleet_arguments(p: argparse.ArgumentParser, env: Settings) -> None:
     from drivers.fleet.breaker import BreakerConfig
-    from drivers.fleet.client import FleetTimeouts
-    from drivers.fleet.config import FleetConfig
+    from drivers.fleet.config import FleetConfig, FleetTimeouts
     from drivers.fleet.router import Policy, RouterConfig
 
     t, r, b = FleetTimeouts(), RouterConfig(), BreakerConfig()
@@ -299,8 +298,7 @@ def fleet_config(args: argparse.Namespace, env: Settings, node_health: NodeHealt
 
 def _fleet_config(args: argparse.Namespace, env: Settings, node_health: NodeHealthConfig) -> FleetConfig:
     from drivers.fleet.breaker import BreakerConfig
-    from drivers.fleet.client import FleetTimeouts
-    from drivers.fleet.config import FleetConfig
+    from drivers.fleet.config import FleetConfig, FleetTimeouts
     from drivers.fleet.router import Policy, RouterConfig
 
     return FleetConfig(

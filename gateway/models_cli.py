@@ -14,8 +14,6 @@ import os
 import sys
 from typing import Any
 
-import httpx
-
 TIMEOUT_S = 900.0  # a deploy answers once the version is loaded and warm
 
 
@@ -62,6 +60,8 @@ def _weights(items: list[str]) -> dict[str, int]:
 
 
 def run_models(args: argparse.Namespace, _env: object = None) -> int:
+    import httpx  # here: every `sluice` command, and each engine process `sluice serve` spawns, imports this module
+
     headers = {"x-sluice-actor": args.actor or getpass.getuser()}
     if args.admin_key:
         headers["authorization"] = f"Bearer {args.admin_key}"

@@ -16,28 +16,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 
 import httpx
 import msgspec
 
 from drivers.fleet import wire
+from drivers.fleet.timeouts import FleetTimeouts
 from drivers.fleet.wire import ErrorKind
 from drivers.portable_tokenizer import SPEC_DECODER, TokenizerSpec
 
 TOKENIZER_FETCH_S = 30.0
-
-
-@dataclass(frozen=True)
-class FleetTimeouts:
-    connect_s: float = 1.0
-    """Connection (and TLS handshake) to a worker (--fleet-connect-timeout)."""
-    stall_s: float = 2.0
-    """Silence (not even a keepalive) after which a worker counts as hung (--fleet-stall-timeout)."""
-    first_token_s: float = 120.0
-    """Longest wait for a request's first token on one worker (--fleet-first-token-timeout)."""
-    inter_token_s: float = 30.0
-    """Longest gap between two tokens on one worker (--fleet-inter-token-timeout)."""
 
 
 class WorkerLost(Exception):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from drivers.fleet.breaker import BreakerConfig
-from drivers.fleet.client import FleetTimeouts
 from drivers.fleet.router import RouterConfig
+from drivers.fleet.timeouts import FleetTimeouts
 from drivers.sglang.config import SGLangConfig
 from observability.node_health import NodeHealthConfig
 

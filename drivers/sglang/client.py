@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 import httpx
 import msgspec
 
-from drivers.fleet.client import TRANSPORT_ERRORS, FleetTimeouts, TokenClock, WorkerLost, WorkerRefused, lost
+from drivers.fleet.client import TRANSPORT_ERRORS, TokenClock, WorkerLost, WorkerRefused, lost
+from drivers.fleet.timeouts import FleetTimeouts
 from drivers.fleet.wire import ErrorKind
 from drivers.sglang import protocol
 from drivers.sglang.protocol import GenerateOut

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from drivers.fleet.breaker import BreakerConfig
-from drivers.fleet.client import FleetTimeouts
+from drivers.fleet.timeouts import FleetTimeouts
 from observability.node_health import NodeHealthConfig
 
 

@@ -28,7 +28,7 @@ from harness import (
 from sqlalchemy.ext.asyncio import AsyncEngine
 from stripe_standin import RunningStandIn
 
-from billing.models import COMPLETION, PROMPT
+from billing.config import COMPLETION, PROMPT
 from tenants.db import create_engine, session_factory
 from tests.polling import await_until
 

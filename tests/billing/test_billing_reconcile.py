@@ -27,7 +27,7 @@ from harness import (
 from sqlalchemy.ext.asyncio import AsyncEngine
 from stripe_standin import RunningStandIn
 
-from billing.models import COMPLETION, PROMPT
+from billing.config import COMPLETION, PROMPT
 from billing.reconcile import parse_period, reconcile
 from billing.stripe_meters import StripeMeters
 

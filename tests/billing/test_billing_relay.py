@@ -20,7 +20,7 @@ from harness import (
 from sqlalchemy.ext.asyncio import AsyncEngine
 from stripe_standin import RunningStandIn
 
-from billing.models import COMPLETION, PROMPT
+from billing.config import COMPLETION, PROMPT
 
 
 async def assert_stripe_equals_ledger(standin: RunningStandIn, sessions: Sessions, tenant_id: str) -> None:
