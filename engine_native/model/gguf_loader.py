@@ -1,4 +1,4 @@
-"""Load a llama.cpp GGUF file: metadata -> ModelConfig, tensors -> dequantized HF-named weights.
+"""Load a llama.cpp GGUF file: its header (gguf_config.py) -> ModelConfig, tensors -> dequantized HF-named weights.
 
 Quantized tensors are dequantized once at load: the model runs dense in fp32 or bf16. Q4_1 and
 Q8_0 tensors also keep their blocks (model/quant.py), which steps of a few tokens multiply by

@@ -1,7 +1,7 @@
 """Load a Hugging Face model folder: config.json + *.safetensors (+ tokenizer files).
 
-Weights keep their HF names; `LlamaForCausalLM` fuses them. The tokenizer comes
-from tokenizer.json and tokenizer_config.json; a folder without tokenizer.json
+Weights keep their HF names; `LlamaForCausalLM` fuses them. The config comes from
+hf_config.py and the tokenizer from hf_tokenizer.py; a folder without tokenizer.json
 loads weight-only (tokenizer None), which tests use.
 """
 
@@ -44,5 +44,3 @@ def load_hf_folder(path: str, dtype: torch.dtype, progress: bool = True) -> Load
     return LoadedModel(
         model=model, tokenizer=load_hf_tokenizer(path, raw), config=cfg, dtype=dtype, source=path
     )
-
-

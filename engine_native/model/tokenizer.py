@@ -1,8 +1,8 @@
 """Text <-> token ids and chat rendering, on the `tokenizers` library (Rust, fast).
 
-`TextTokenizer` implements the `Tokenizer` protocol. It is built either from a
-Hugging Face `tokenizer.json` (see `hf_loader`) or from GGUF metadata (see
-`gguf_tokenizer`). BOS is added here, not by the backend's post-processor, so a
+`TextTokenizer` implements the `Tokenizer` protocol (both here, without torch: the gateway
+tokenizes). It is built either from a Hugging Face `tokenizer.json` (see `hf_tokenizer`) or from
+GGUF metadata (see `gguf_tokenizer`); `tokenizer_loader.load_tokenizer` picks by path. BOS is added here, not by the backend's post-processor, so a
 prompt whose rendered chat template already starts with BOS never gets two.
 """
 
