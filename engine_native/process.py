@@ -7,6 +7,13 @@ arrives saying more of its burst are coming (`AddRequest.more_coming`) holds the
 step until they are in or `SchedulerConfig.burst_hold_s` is up. A `SetFault`
 makes it slow (a sleep after every step) or stalled (no steps, requests kept,
 stats still sent) for chaos testing.
+
+It lives and dies by its client: a `Shutdown`, the end of its pipe (the client's process is gone), or
+the client's SIGKILL. SIGINT and SIGTERM are ignored here, because a signal sent to the whole process
+group (Ctrl-C in a terminal, systemd's default `KillMode=control-group`, `kill -- -PGID`) is meant for
+the gateway or the worker, which drains its requests on this engine before it stops it; taken here as
+well, it ended every request in flight with `EngineDeadError` mid-drain. Local tensor-parallel ranks,
+started by this process, inherit the ignored signals and die with it (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -48,6 +56,8 @@ STATS_INTERVAL_S = 0.1  # the most often a busy engine sends stats
 
 def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection, progress: bool = True) -> None:
     """Entry point of the spawned process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client's to handle (module docstring)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=os.environ.get("SLUICE_LOG_LEVEL", "INFO").upper(),
         format=f"%(asctime)s %(levelname)s engine[{config.node_id}] %(name)s: %(message)s",

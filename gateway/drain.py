@@ -12,6 +12,8 @@ On the first SIGTERM (or SIGINT) `sluice serve` does not stop listening; it drai
        stops the (already stopped) driver, and the process exits with 0.
 
 A second signal skips what is left of the drain (uvicorn's own shutdown, 5 s for open connections).
+A signal sent to the whole process group reaches the engine processes too; they ignore it
+(engine_native/process.py) and go when the drain stops the driver.
 Probes (/healthz, /readyz) and /metrics are neither counted nor refused.
 """
 

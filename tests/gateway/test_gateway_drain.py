@@ -128,3 +128,22 @@ def test_sigterm_drains_then_ends_what_is_left_and_keeps_its_usage(tmp_path: Pat
     assert by_id[short.ids().pop()][1:] == (20, "ok")
     cut = by_id[long_stream.ids().pop()]
     assert 0 < cut[1] < LONG[driver] and cut[2] == "ShuttingDownError", cut
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_process_group_drains_the_native_engines_stream(sig: signal.Signals) -> None:
+    """systemd's default KillMode (control-group) and Ctrl-C in a terminal signal every process of the
+    server, the engine's too. The engine leaves signals to its client (engine_native/process.py), so the
+    gateway drains the stream on it to the end instead of losing it with the engine mid-drain."""
+    with ServerProcess(DRIVERS["native"], startup_timeout_s=300) as server:
+        assert server.process is not None
+        stream = Call(server.base_url, {}, MODELS["native"], max_tokens=30, stream=True)  # ~3 s at the step delay
+        stream.start()
+        assert stream.started.wait(HANG_S), "the stream produced no token"
+        os.killpg(server.process.pid, sig)  # its own session: the group is the server's processes
+        stream.join(HANG_S)
+        assert not stream.is_alive(), "the stream hung through the drain"
+        assert stream.lines[-1] == "data: [DONE]", server.log_tail()
+        assert not any('"error"' in line for line in stream.lines), stream.lines[-3:]
+        assert sum('"text"' in line for line in stream.lines) == 30
+        assert server.process.wait(HANG_S) == 0, server.log_tail()
