@@ -70,7 +70,7 @@ class ServedModelTokenizer:
     """A `PromptTokenizer` over the tokenizer of a model path (GGUF file or Hugging Face folder)."""
 
     def __init__(self, path: str) -> None:
-        from engine_native.model.tokenizer_loader import load_tokenizer  # lazy: imports torch
+        from engine_native.model.tokenizer_loader import load_tokenizer  # lazy: reads the model's header
 
         tokenizer = load_tokenizer(path)
         backend = getattr(tokenizer, "backend", None)

@@ -15,7 +15,9 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from engine_native.model.bundled import bundled_model_path
+from engine_native.model.errors import ModelLoadError
 from engine_native.model.loader import load_model
+from engine_native.model.tokenizer_loader import load_tokenizer
 
 TEXTS = ["Hello world", "  x = 12345\n\tdef f(): pass", "日本語 😀", "<|im_start|>user\nhi<|im_end|>"]
 
@@ -71,3 +73,23 @@ def test_bos_is_added_once(hf_folder_with_tokenizer: Path, tmp_path: Path) -> No
     assert tok.encode("hi")[0] == 1
     assert tok.encode("<|im_start|>user")[:2] != [1, 1]
     assert tok.encode("hi", add_special_tokens=False)[0] != 1
+
+
+def test_the_tokenizer_alone_reads_the_folder_as_the_model_load_does(hf_folder_with_tokenizer: Path) -> None:
+    alone = load_tokenizer(str(hf_folder_with_tokenizer))
+    loaded = load_model(str(hf_folder_with_tokenizer), dtype=torch.float32, progress=False).tokenizer
+    assert alone is not None and loaded is not None
+    assert alone.eos_token_ids == loaded.eos_token_ids == [2, 0]  # the config.json's eos_token_id list
+    assert [alone.encode(t) for t in TEXTS] == [loaded.encode(t) for t in TEXTS]
+
+
+@pytest.mark.parametrize("config", ["{not json", "[1, 2]"])
+def test_a_broken_config_json_is_a_load_error_for_the_tokenizer_too(
+    hf_folder_with_tokenizer: Path, tmp_path: Path, config: str
+) -> None:
+    for name in os.listdir(hf_folder_with_tokenizer):
+        if name != "config.json":
+            (tmp_path / name).symlink_to(hf_folder_with_tokenizer / name)
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_tokenizer(str(tmp_path))
