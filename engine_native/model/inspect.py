@@ -17,8 +17,7 @@ from math import prod
 
 from engine_native.config import ModelConfig
 from engine_native.model.errors import ModelLoadError, ModelNotFoundError
-from engine_native.model.gguf_config import config_from_metadata
-from engine_native.model.gguf_file import read_gguf
+from engine_native.model.gguf_config import open_gguf
 from engine_native.model.hf_config import config_from_hf, read_json_object
 from engine_native.precision import ELEMENT_BYTES, dtype_name
 
@@ -44,13 +43,9 @@ def inspect_model(path: str, dtype: str = "auto") -> ModelSummary:
     if path.lower().endswith(".gguf"):
         if not os.path.isfile(path):
             raise ModelNotFoundError(f"GGUF file not found: {path}")
-        try:
-            header = read_gguf(path)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot read {path} as GGUF: {exc}") from exc
-        config = config_from_metadata(header.meta, os.path.basename(path))
-        params = sum(t.n_elements for t in header.tensors)
-        return ModelSummary(config, params, params * elem + os.path.getsize(path))
+        gguf = open_gguf(path)  # the loaders' own reading of the header: its errors and its config
+        params = sum(t.n_elements for t in gguf.tensors)
+        return ModelSummary(gguf.config, params, params * elem + os.path.getsize(path))
     if os.path.isdir(path):
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
