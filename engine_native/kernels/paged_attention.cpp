@@ -62,10 +62,13 @@ void token_rows(const KV* k_cache, const KV* v_cache, const int64_t* table, int6
                 int64_t token_stride, std::vector<const KV*>& k, std::vector<const KV*>& v) {
   k.resize(static_cast<size_t>(len));
   v.resize(static_cast<size_t>(len));
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t at = (table[t / block_size] * block_size + t % block_size) * token_stride;
-    k[t] = k_cache + at;
-    v[t] = v_cache + at;
+  // Block by block: a division per token (block_size is not known at compile time) cost more than the rest of this.
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const int64_t base = table[t0 / block_size] * block_size * token_stride, n = std::min(block_size, len - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      k[t0 + i] = k_cache + base + i * token_stride;
+      v[t0 + i] = v_cache + base + i * token_stride;
+    }
   }
 }
 
@@ -88,14 +91,20 @@ namespace avx2_path {
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return from_bf16x8(p); }
 
-// Eight dot products' 8-lane partial sums -> their eight totals, in order.
-inline __m256 reduce8(const __m256* acc) {
-  const __m256 a = _mm256_hadd_ps(acc[0], acc[1]), b = _mm256_hadd_ps(acc[2], acc[3]);
-  const __m256 c = _mm256_hadd_ps(acc[4], acc[5]), e = _mm256_hadd_ps(acc[6], acc[7]);
+// Eight dot products' 8-lane partial sums -> their eight totals, in order. By value, so that a caller's
+// accumulators can stay in registers (an array whose address is taken is kept in memory).
+__attribute__((always_inline)) inline __m256 reduce8(__m256 s0, __m256 s1, __m256 s2, __m256 s3, __m256 s4,
+                                                     __m256 s5, __m256 s6, __m256 s7) {
+  const __m256 a = _mm256_hadd_ps(s0, s1), b = _mm256_hadd_ps(s2, s3);
+  const __m256 c = _mm256_hadd_ps(s4, s5), e = _mm256_hadd_ps(s6, s7);
   const __m256 ab = _mm256_hadd_ps(a, b), ce = _mm256_hadd_ps(c, e);
   // ab = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low and high 128-bit halves of the same four dots).
   const __m256 lo = _mm256_permute2f128_ps(ab, ce, 0x20), hi = _mm256_permute2f128_ps(ab, ce, 0x31);
   return _mm256_add_ps(lo, hi);
+}
+
+inline __m256 reduce8(const __m256* acc) {
+  return reduce8(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]);
 }
 
 // scores[t0 .. t0 + n) of one query head q against the keys k[0 .. 8) (a short tail repeats its last key).
@@ -242,13 +251,16 @@ void softmax16(float* s, int64_t len) {
   for (; t < len; ++t) s[t] *= inv;
 }
 
-// Eight dot products' 16-lane partial sums -> their eight totals, in order.
-inline __m256 reduce8(const __m512* acc) {
-  __m256 h[8];  // each folded to 8 lanes, then the AVX2 path's tree
-  for (int i = 0; i < 8; ++i)
-    h[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
-  return avx2_path::reduce8(h);
+// A 16-lane partial sum folded to 8 lanes (its low half plus its high half).
+__attribute__((always_inline)) inline __m256 fold8(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+// Eight dot products' 16-lane partial sums -> their eight totals, in order: each folded to 8 lanes, then the
+// AVX2 path's tree.
+__attribute__((always_inline)) inline __m256 reduce8(const __m512 (&acc)[8]) {
+  return avx2_path::reduce8(fold8(acc[0]), fold8(acc[1]), fold8(acc[2]), fold8(acc[3]), fold8(acc[4]), fold8(acc[5]),
+                            fold8(acc[6]), fold8(acc[7]));
 }
 
 // 16 cache elements as fp32: an fp32 cache is read as is, a bf16 one (uint16 bits) widened exactly.
@@ -275,33 +287,44 @@ struct NextRows {
 // Up to three query heads of one KV head against eight keys: each 16-lane chunk of a key is widened to fp32
 // once and multiplied by every head's query chunk (24 accumulators, 3 query chunks and the key chunk fit
 // the 32 registers). Each accumulator sums the same products in the same order as one head at a time.
-template <typename KV, int G>
-inline void score_heads(const float* q, const KV* const* k, int64_t nv, float scale, int64_t len, int64_t n,
-                        float* scores) {
+// NV (d / 16) is a template argument for the common head sizes: with the chunk loop unrolled and every
+// index a constant, GCC keeps the 24 accumulators in registers. With a runtime nv it kept them on the stack
+// (zeroed there, stored after the products and loaded again for the sums: ~as many stores as FMAs), which
+// was most of the scores' time. NV 0: nv at run time.
+template <typename KV, int G, int NV>
+__attribute__((always_inline)) inline void score_heads(const float* q, const KV* const* k, int64_t nv, float scale,
+                                                       int64_t len, int64_t n, float* scores) {
+  if constexpr (NV > 0) nv = NV;
   __m512 acc[G][8];
+#pragma GCC unroll 3
   for (int j = 0; j < G; ++j)
+#pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) acc[j][i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
   for (int64_t c = 0; c < nv; ++c) {
     __m512 qc[G];
+#pragma GCC unroll 3
     for (int j = 0; j < G; ++j) qc[j] = _mm512_loadu_ps(q + j * nv * 16 + c * 16);
+#pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const __m512 kc = load16(k[i] + c * 16);
+#pragma GCC unroll 3
       for (int j = 0; j < G; ++j) acc[j][i] = _mm512_fmadd_ps(qc[j], kc, acc[j][i]);
     }
   }
-  for (int j = 0; j < G; ++j) {
-    // Reduced from a copy: reduce8 takes its operand's address, and with acc's own taken GCC kept all 24
-    // accumulators in memory, storing each after every multiply-add (~as many stores as FMAs).
-    __m512 sums[8];
-    for (int i = 0; i < 8; ++i) sums[i] = acc[j][i];
-    const __m256 s = _mm256_mul_ps(reduce8(sums), _mm256_set1_ps(scale));
-    if (n == 8) {
-      _mm256_storeu_ps(scores + j * len, s);
-    } else {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, s);
-      std::copy(tmp, tmp + n, scores + j * len);
-    }
+  const __mmask8 tail = static_cast<__mmask8>((1u << n) - 1u);  // n in [1, 8]
+#pragma GCC unroll 3
+  for (int j = 0; j < G; ++j)
+    _mm256_mask_storeu_ps(scores + j * len, tail, _mm256_mul_ps(reduce8(acc[j]), _mm256_set1_ps(scale)));
+}
+
+template <typename KV, int NV>
+inline void score_group(const float* q, const KV* const* k, int64_t groups, int64_t nv, float scale, int64_t len,
+                        int64_t n, float* scores) {
+  switch (groups) {
+    case 1: score_heads<KV, 1, NV>(q, k, nv, scale, len, n, scores); break;
+    case 2: score_heads<KV, 2, NV>(q, k, nv, scale, len, n, scores); break;
+    default: score_heads<KV, 3, NV>(q, k, nv, scale, len, n, scores); break;
   }
 }
 
@@ -332,10 +355,11 @@ void decode_scores(const float* q, int64_t kv0, int64_t kv1, int64_t g, int64_t 
       for (int64_t j = kvh * g; j < (kvh + 1) * g; j += 3) {
         const float* qj = q + j * d;
         float* sj = scores + j * len + t0;
-        switch (std::min<int64_t>(3, (kvh + 1) * g - j)) {
-          case 1: score_heads<KV, 1>(qj, k, nv, scale, len, n, sj); break;
-          case 2: score_heads<KV, 2>(qj, k, nv, scale, len, n, sj); break;
-          default: score_heads<KV, 3>(qj, k, nv, scale, len, n, sj); break;
+        const int64_t heads = std::min<int64_t>(3, (kvh + 1) * g - j);
+        switch (nv) {
+          case 4: score_group<KV, 4>(qj, k, heads, nv, scale, len, n, sj); break;
+          case 8: score_group<KV, 8>(qj, k, heads, nv, scale, len, n, sj); break;
+          default: score_group<KV, 0>(qj, k, heads, nv, scale, len, n, sj); break;
         }
       }
     }
