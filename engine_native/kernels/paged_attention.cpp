@@ -318,10 +318,11 @@ __attribute__((always_inline)) inline void score_heads(const float* q, const KV*
     _mm256_mask_storeu_ps(scores + j * len, tail, _mm256_mul_ps(reduce8(acc[j]), _mm256_set1_ps(scale)));
 }
 
+// score_heads for `heads` (1-3) query heads of one KV head: the count as a template argument.
 template <typename KV, int NV>
-inline void score_group(const float* q, const KV* const* k, int64_t groups, int64_t nv, float scale, int64_t len,
+inline void score_group(const float* q, const KV* const* k, int64_t heads, int64_t nv, float scale, int64_t len,
                         int64_t n, float* scores) {
-  switch (groups) {
+  switch (heads) {
     case 1: score_heads<KV, 1, NV>(q, k, nv, scale, len, n, scores); break;
     case 2: score_heads<KV, 2, NV>(q, k, nv, scale, len, n, scores); break;
     default: score_heads<KV, 3, NV>(q, k, nv, scale, len, n, scores); break;
