@@ -132,7 +132,10 @@ class EngineGroup:
     def runner(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> DistributedRunner:
         """Tell the workers the pool's size and allocate rank 0's slice of it."""
         code = KV_DTYPE_NAMES.index(str(kv_dtype).removeprefix("torch."))
-        self.clock.broadcast(torch.tensor([num_blocks, block_size, code], dtype=torch.int64))
+        # Timed by a clock of its own: this broadcast waits for the slowest worker's load, which is no step's
+        # collective (EngineStats counts the group's collectives within the runner's time; under load this wait
+        # alone once exceeded a short run's whole forward time).
+        CollectiveClock().broadcast(torch.tensor([num_blocks, block_size, code], dtype=torch.int64))
         local = self.loaded.model.config
         kv = KVCache.allocate(local.num_layers, num_blocks, block_size, local.num_kv_heads, local.head_dim, kv_dtype)
         return DistributedRunner(self, kv, block_size)
