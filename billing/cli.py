@@ -8,12 +8,13 @@ import asyncio
 import signal
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from billing.config import BillingConfig
-from billing.reconcile import MeterDifference, parse_period, reconcile
-from billing.relay import BillingRelay
-from billing.stripe_meters import StripeMeters
-from tenants.db import create_engine, run_migrations, session_factory
+# The commands' modules (SQLAlchemy, httpx, ~0.4 s) are imported when a billing command runs: every `sluice`
+# command builds this parser, `sluice serve` before it spawns its engines.
+if TYPE_CHECKING:
+    from billing.config import BillingConfig
+    from billing.reconcile import MeterDifference
 
 
 def add_billing_commands(
@@ -38,6 +39,8 @@ def _run(main: object) -> int:
 
 
 def _config() -> BillingConfig:
+    from billing.config import BillingConfig
+
     config = BillingConfig.from_env()
     if not config.can_send:
         raise SystemExit(
@@ -48,6 +51,10 @@ def _config() -> BillingConfig:
 
 
 async def _relay(database_url: str, once: bool) -> int:
+    from billing.relay import BillingRelay
+    from billing.stripe_meters import StripeMeters
+    from tenants.db import create_engine, run_migrations, session_factory
+
     config = _config()
     engine = create_engine(database_url)
     await run_migrations(engine)
@@ -70,6 +77,10 @@ async def _relay(database_url: str, once: bool) -> int:
 
 
 async def _reconcile(database_url: str, period: str, apply: bool) -> int:
+    from billing.reconcile import parse_period, reconcile
+    from billing.stripe_meters import StripeMeters
+    from tenants.db import create_engine, run_migrations, session_factory
+
     config = _config()
     try:
         start, end = parse_period(period)

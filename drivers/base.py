@@ -263,6 +263,11 @@ class EngineDeadError(DriverError):
 class Driver(ABC):
     """Implementations are registered by name in `drivers.registry`."""
 
+    def begin_start(self) -> None:
+        """Begin what `start()` does that needs no event loop, so that it runs while the caller goes on
+        (`sluice serve` calls it before importing the gateway): the native driver spawns its engine
+        processes. Optional; `start()` completes it. Default: nothing."""
+
     @abstractmethod
     async def start(self) -> None:
         """Load models / connect. Called once before the first request."""

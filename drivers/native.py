@@ -158,13 +158,24 @@ class NativeDriver(Driver):
 
     # ----- lifecycle -------------------------------------------------------------------
 
+    def begin_start(self) -> None:
+        """Spawn the engine processes: they load the model from here on, and `start()` waits for them."""
+        if not self.engines:
+            config = self.config
+            self.engines = [
+                AsyncEngineClient(config.engine_config(i), progress=config.progress) for i in range(config.num_engines)
+            ]
+        for engine in self.engines:
+            engine.spawn()
+
     async def start(self) -> None:
         config = self.config
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, config.engine.model_path)
-        self.engines = [
-            AsyncEngineClient(config.engine_config(i), progress=config.progress) for i in range(config.num_engines)
-        ]
-        infos = await asyncio.gather(*(e.start() for e in self.engines))
+        self.begin_start()
+        # The tokenizer loads in this process while the engines load the model.
+        self.tokenizer, infos = await asyncio.gather(
+            asyncio.to_thread(load_tokenizer, config.engine.model_path),
+            asyncio.gather(*(e.start() for e in self.engines)),
+        )
         self.max_model_len = min(i.max_model_len for i in infos)
         self.max_request_tokens = min(i.kv_blocks_total * i.block_size for i in infos)
         self.router = NodeRouter(self.engines, config.node_health, config.fault_step_delay)

@@ -94,6 +94,9 @@ class VersionedDriver(Driver):
 
     # ----- lifecycle -------------------------------------------------------------------
 
+    def begin_start(self) -> None:
+        self._boot.begin_start()
+
     async def start(self) -> None:
         engine = self._boot_engine
         # Sized while the boot model loads, not after it serves: reading a GGUF's metadata holds the GIL for

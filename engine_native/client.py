@@ -9,12 +9,15 @@ that ends without output ends with one of the typed errors of `errors.py`.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import multiprocessing as mp
 import queue
 import threading
 import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import msgspec
 
@@ -48,6 +51,15 @@ log = logging.getLogger(__name__)
 DEATH_POLL_S = 1.0  # how often wait_dead() looks at the process itself
 
 
+@dataclass(frozen=True)
+class _Spawned:
+    """A process spawn() started and start() has not yet taken: it and the parent's ends of its pipes."""
+
+    proc: mp.process.BaseProcess
+    inbox: Connection  # engine -> client
+    outbox: Connection  # client -> engine
+
+
 class AsyncEngineClient:
     """One engine node. Its process can be replaced (`restart`) while the client object, and so
     every reference to the node, stays; each process is an incarnation, and messages from an
@@ -61,6 +73,7 @@ class AsyncEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[EngineReady] | None = None
         self._proc: mp.process.BaseProcess | None = None
+        self._spawned: _Spawned | None = None  # spawn()ed, not yet start()ed
         self._incarnation = 0
         self._dead = asyncio.Event()
         self.info: EngineReady | None = None
@@ -75,8 +88,36 @@ class AsyncEngineClient:
 
     # ----- lifecycle -------------------------------------------------------------------
 
+    def spawn(self) -> None:
+        """Start the engine process now, without an event loop: it loads its model while the caller
+        goes on (`sluice serve` spawns before the gateway's own imports); `start()` then waits for it.
+        A process spawned and never started is killed at interpreter exit."""
+        if self._spawned is not None or self.alive:
+            return
+        ctx = mp.get_context("spawn")
+        parent_in, child_out = ctx.Pipe(duplex=False)  # engine -> client
+        child_in, parent_out = ctx.Pipe(duplex=False)  # client -> engine
+        proc = ctx.Process(
+            target=engine_main,
+            args=(self.config, child_in, child_out, self._progress),
+            name=f"sluice-engine-{self.config.node_id}",
+            daemon=True,
+        )
+        proc.start()
+        child_in.close()
+        child_out.close()
+        self._spawned = _Spawned(proc, parent_in, parent_out)
+        # multiprocessing's own exit handler would SIGTERM it, which the engine ignores, and then wait
+        # for it forever: its pipe stays open in this process. Registered after that handler, so run first.
+        atexit.register(self._kill_unstarted)
+
     async def start(self, timeout_s: float = 300.0) -> EngineReady:
-        """Spawn the engine process and wait until its model is loaded; raises if it fails to."""
+        """Spawn the engine process (unless `spawn()` did) and wait until its model is loaded; raises if
+        it fails to."""
+        self.spawn()
+        spawned, self._spawned = self._spawned, None
+        assert spawned is not None
+        atexit.unregister(self._kill_unstarted)
         self._loop = asyncio.get_running_loop()
         self._incarnation += 1
         incarnation = self._incarnation
@@ -85,20 +126,9 @@ class AsyncEngineClient:
         self._outbox = queue.SimpleQueue()  # a fresh one: the previous writer thread may still hold the old
         self.dead_reason, self.info, self.stats = None, None, None
         self.fault, self.last_output_at = (0.0, False), 0.0
-        ctx = mp.get_context("spawn")
-        parent_in, child_out = ctx.Pipe(duplex=False)  # engine -> client
-        child_in, parent_out = ctx.Pipe(duplex=False)  # client -> engine
-        self._proc = ctx.Process(
-            target=engine_main,
-            args=(self.config, child_in, child_out, self._progress),
-            name=f"sluice-engine-{self.config.node_id}",
-            daemon=True,
-        )
-        self._proc.start()
-        child_in.close()
-        child_out.close()
-        threading.Thread(target=self._read_loop, args=(parent_in, incarnation), daemon=True).start()
-        threading.Thread(target=self._write_loop, args=(parent_out, self._outbox), daemon=True).start()
+        self._proc = spawned.proc
+        threading.Thread(target=self._read_loop, args=(spawned.inbox, incarnation), daemon=True).start()
+        threading.Thread(target=self._write_loop, args=(spawned.outbox, self._outbox), daemon=True).start()
         try:
             self.info = await asyncio.wait_for(self._ready, timeout_s)
         except BaseException as exc:
@@ -107,6 +137,12 @@ class AsyncEngineClient:
             await self._reap(0.0)
             raise
         return self.info
+
+    def _kill_unstarted(self) -> None:
+        spawned, self._spawned = self._spawned, None
+        if spawned is not None:
+            spawned.proc.kill()
+            spawned.proc.join(5)
 
     async def restart(self, timeout_s: float = 300.0) -> None:
         """Replace a dead engine process with a fresh one (the supervisor's call)."""
@@ -148,7 +184,8 @@ class AsyncEngineClient:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
+        proc = self._spawned.proc if self._spawned is not None else self._proc
+        return proc.pid if proc else None
 
     # ----- requests --------------------------------------------------------------------
 

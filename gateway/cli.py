@@ -416,13 +416,8 @@ def engine_options(args: argparse.Namespace, env: Settings | None = None) -> Eng
 
 
 def _serve(args: argparse.Namespace, env: Settings) -> int:
-    import uvicorn
-
     from drivers.registry import create_driver
-    from gateway.app import create_app
-    from gateway.drain import Drain, DrainingServer
     from gateway.logs import configure_logging
-    from gateway.server_choice import SERVER_HTTP, SERVER_LOOP
 
     settings = replace(
         env,
@@ -440,6 +435,16 @@ def _serve(args: argparse.Namespace, env: Settings) -> int:
     )
     configure_logging(settings.log_level, log_prompts=settings.log_prompts)
     driver = create_driver(settings.driver, settings.engine)
+    # The native engines load their model while the gateway imports its web framework, stores and metrics
+    # (~1.5 s before its lifespan would start them).
+    driver.begin_start()
+
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.drain import Drain, DrainingServer
+    from gateway.server_choice import SERVER_HTTP, SERVER_LOOP
+
     app = create_app(settings, driver)
     base = f"http://{settings.host}:{settings.port}"
     log.info("starting", extra={"address": base, "driver": settings.driver, "model": settings.engine.model})
@@ -478,9 +483,8 @@ def build_parser(env: Settings) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub, env)
     from billing.cli import add_billing_commands
-    from gateway.tenancy import database_url
 
-    add_billing_commands(sub, lambda: database_url(env))
+    add_billing_commands(sub, lambda: _database_url(env))
     from worker.cli import add_worker_parser
 
     add_worker_parser(sub, env)
@@ -490,6 +494,12 @@ def build_parser(env: Settings) -> argparse.ArgumentParser:
     sub.add_parser("simulate", add_help=False,
                    help="the fleet simulator: scaling policies through a day of traffic (sluice simulate --help)")
     return parser
+
+
+def _database_url(env: Settings) -> str:
+    from gateway.tenancy import database_url  # SQLAlchemy and the tenants' stores: only for a billing command
+
+    return database_url(env)
 
 
 def _run_benchmarks(args: list[str]) -> NoReturn:

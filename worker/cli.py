@@ -44,9 +44,9 @@ def add_worker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], 
 
 
 def _worker(args: argparse.Namespace, env: Settings) -> int:
+    from drivers.registry import create_driver
     from gateway.cli import engine_options
     from gateway.logs import configure_logging
-    from worker.server import run_worker
     from worker.settings import WorkerSettings
 
     scheme = "https" if args.ssl_certfile else "http"
@@ -71,4 +71,8 @@ def _worker(args: argparse.Namespace, env: Settings) -> int:
         ssl_certfile=args.ssl_certfile,
     )
     configure_logging(settings.log_level)
-    return run_worker(settings)
+    driver = create_driver(settings.driver, settings.engine)
+    driver.begin_start()  # the engines load their model while the worker imports its server (~0.4 s)
+    from worker.server import run_worker
+
+    return run_worker(settings, driver)

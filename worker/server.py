@@ -19,8 +19,8 @@ from types import FrameType
 
 import uvicorn
 
+from drivers.base import Driver
 from drivers.fleet.membership import WorkerRegistration
-from drivers.registry import create_driver
 from gateway.server_choice import SERVER_HTTP, SERVER_LOOP
 from worker.app import WorkerApp
 from worker.settings import WorkerSettings
@@ -74,8 +74,7 @@ class WorkerServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run_worker(settings: WorkerSettings) -> int:
-    driver = create_driver(settings.driver, settings.engine)
+def run_worker(settings: WorkerSettings, driver: Driver) -> int:
     app = WorkerApp(settings, driver)
     config = uvicorn.Config(
         app,

@@ -4,8 +4,11 @@ by the official `openai` client and raw httpx."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -270,3 +273,35 @@ def test_the_server_answers_while_the_model_loads() -> None:
     finally:
         proc.terminate()
         proc.wait(30)  # a drain and the engine's exit, on a 2-core host busy with other tests' servers
+
+
+def test_the_engine_loads_the_model_while_the_gateway_imports() -> None:
+    """`sluice serve` spawns the engine process before it imports the gateway (its web framework, stores and
+    metrics, ~1.5 s; gateway/cli.py): the engine process is older than the gateway's "starting" line, which
+    the gateway logs once its app is built."""
+    from benchmarks.server_process import ServerProcess
+
+    with ServerProcess(["--driver", "native", "--max-model-len", "256", "--kv-cache-memory", "32MiB",
+                        "--log-level", "INFO"], startup_timeout_s=240) as server:
+        assert server.process is not None
+        starting = next(json.loads(line)["ts"] for line in server.log_tail(100_000).splitlines()
+                        if line.startswith("{") and json.loads(line).get("msg") == "starting")
+        logged = datetime.fromisoformat(starting).timestamp()
+        engine = next(pid for pid in _children(server.process.pid) if b"spawn_main" in _cmdline(pid))
+        assert _started_at(engine) < logged - 0.2, (_started_at(engine), logged)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def _started_at(pid: int) -> float:
+    """A process's start, in seconds since the epoch (/proc: clock ticks since boot; /proc/stat's boot time
+    is whole seconds, so the boot is placed from the uptime instead)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    boot = time.time() - float(Path("/proc/uptime").read_text().split()[0])
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")

@@ -1,0 +1,121 @@
+"""`AsyncEngineClient.spawn()`: the engine process starts loading before any event loop runs (`sluice serve`
+spawns it ahead of the gateway's own imports), `start()` takes that process over, and one spawned and never
+started does not keep its parent from exiting."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from tiny_models import prompt, save_tiny_llama
+
+from engine_native.client import AsyncEngineClient
+from engine_native.config import CacheConfig, EngineConfig
+from engine_native.messages import AddRequest, RequestOutput
+from engine_native.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-spawn")
+    save_tiny_llama(path)
+    return path
+
+
+def _config(model: Path) -> EngineConfig:
+    return EngineConfig(model_path=str(model), dtype="float32", num_threads=1,
+                        cache=replace(CacheConfig(), num_blocks=32, block_size=16))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_start_takes_over_the_process_that_spawn_began(tiny: Path) -> None:
+    client = AsyncEngineClient(_config(tiny), progress=False)
+    client.spawn()  # no event loop here
+    pid = client.pid
+    assert pid is not None and _alive(pid)
+    client.spawn()  # a second call spawns nothing more
+    assert client.pid == pid
+
+    async def serve() -> list[int]:
+        await client.start(timeout_s=120)
+        try:
+            assert client.pid == pid and client.alive
+            stream = client.add(AddRequest(request_id="r", prompt_token_ids=prompt(8, 0),
+                                           arrival_time=time.time(), sampling_params=SamplingParams(max_tokens=3, temperature=0.0,
+                                                                          ignore_eos=True)))
+            tokens: list[int] = []
+            while True:
+                out = await asyncio.wait_for(stream.get(), 60)
+                assert isinstance(out, RequestOutput), out
+                tokens += out.new_token_ids
+                if out.finish_reason is not None:
+                    return tokens
+        finally:
+            await client.shutdown()
+
+    assert len(asyncio.run(serve())) == 3
+    assert not _alive(pid)
+
+
+def test_a_process_spawned_and_never_started_does_not_hold_up_its_parents_exit(tiny: Path, tmp_path: Path) -> None:
+    """The engine ignores SIGTERM (engine_native/process.py) and its pipe stays open in the parent, so
+    multiprocessing's exit handler, which sends SIGTERM and then waits, would wait for it forever."""
+    script = tmp_path / "abandon.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        from dataclasses import replace
+        from engine_native.client import AsyncEngineClient
+        from engine_native.config import CacheConfig, EngineConfig
+
+        if __name__ == "__main__":
+            config = EngineConfig(model_path={str(tiny)!r}, dtype="float32", num_threads=1,
+                                  cache=replace(CacheConfig(), num_blocks=32, block_size=16))
+            client = AsyncEngineClient(config, progress=False)
+            client.spawn()
+            print(client.pid, flush=True)
+            sys.stdin.readline()  # the test says when
+            raise RuntimeError("the server failed before it started its driver")
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        pid = int(proc.stdout.readline())
+        _wait_ignoring_sigterm(pid)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 1 and "the server failed" in err
+    assert not _alive(pid)
+
+
+def _wait_ignoring_sigterm(pid: int, timeout_s: float = 60.0) -> None:
+    """Until the engine process runs engine_main, which ignores SIGTERM first thing: before that, the exit
+    handler's SIGTERM would still end it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        ignored = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
+        if ignored & (1 << (signal.SIGTERM - 1)):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the engine process never reached engine_main")
