@@ -52,8 +52,14 @@ def panels_fit_in_memory(weights: list[torch.Tensor], available_bytes: int) -> b
 def to_bf16_panel(weight: torch.Tensor) -> Bf16Panel:
     """Lay a bf16 [N, K] weight (`bf16_panel_fits`) out as its panels, once at load."""
     n, k = weight.shape
-    padded = F.pad(weight, (0, 0, 0, -n % PANEL_COLUMNS))
-    data = padded.view(-1, PANEL_COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    full, rest = divmod(n, PANEL_COLUMNS)
+    data = torch.empty(full + bool(rest), k // 2, PANEL_COLUMNS, 2, dtype=weight.dtype)
+    # Straight into the panels, not through a padded copy of the whole weight: a model's start writes a
+    # third less memory (fresh pages cost ~1 GB/s on some VMs' first touch).
+    data[:full].copy_(weight[: full * PANEL_COLUMNS].view(full, PANEL_COLUMNS, k // 2, 2).permute(0, 2, 1, 3))
+    if rest:
+        last = F.pad(weight[full * PANEL_COLUMNS :], (0, 0, 0, PANEL_COLUMNS - rest))
+        data[full:].copy_(last.view(1, PANEL_COLUMNS, k // 2, 2).permute(0, 2, 1, 3))
     return Bf16Panel(data, n)
 
 
