@@ -54,8 +54,8 @@ def to_bf16_panel(weight: torch.Tensor) -> Bf16Panel:
     n, k = weight.shape
     full, rest = divmod(n, PANEL_COLUMNS)
     data = torch.empty(full + bool(rest), k // 2, PANEL_COLUMNS, 2, dtype=weight.dtype)
-    # Straight into the panels, not through a padded copy of the whole weight: a model's start writes a
-    # third less memory (fresh pages cost ~1 GB/s on some VMs' first touch).
+    # Straight into the panels, not through a padded copy of the whole weight: the layout writes half the
+    # memory it did (fresh pages cost ~1 GB/s on some VMs' first touch).
     data[:full].copy_(weight[: full * PANEL_COLUMNS].view(full, PANEL_COLUMNS, k // 2, 2).permute(0, 2, 1, 3))
     if rest:
         last = F.pad(weight[full * PANEL_COLUMNS :], (0, 0, 0, PANEL_COLUMNS - rest))
