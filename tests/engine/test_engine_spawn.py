@@ -55,9 +55,9 @@ def test_start_takes_over_the_process_that_spawn_began(tiny: Path) -> None:
         await client.start(timeout_s=120)
         try:
             assert client.pid == pid and client.alive
-            stream = client.add(AddRequest(request_id="r", prompt_token_ids=prompt(8, 0),
-                                           arrival_time=time.time(), sampling_params=SamplingParams(max_tokens=3, temperature=0.0,
-                                                                          ignore_eos=True)))
+            greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            stream = client.add(AddRequest(request_id="r", prompt_token_ids=prompt(8, 0), sampling_params=greedy,
+                                           arrival_time=time.time()))
             tokens: list[int] = []
             while True:
                 out = await asyncio.wait_for(stream.get(), 60)
