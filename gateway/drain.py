@@ -102,6 +102,12 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.started and self.drain.exit_code != 0:
+            # The app stopped itself before listening (its driver failed at once: gateway/app.py). uvicorn's way
+            # would raise the signal again once it is done, and the process would die of it (status 143, which
+            # systemd's Restart=on-failure takes for a clean stop) instead of exiting with its status.
+            self.should_exit = True
+            return
         if self._drain_started or not self.started or self._loop is None or sig not in (signal.SIGTERM, signal.SIGINT):
             super().handle_exit(sig, frame)  # a second signal, or one before we listen: uvicorn's way
             return

@@ -9,9 +9,11 @@ Nothing is timed: the short request needs about two seconds of a 20 s drain, the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sqlite3
+import subprocess
 import threading
 import time
 import uuid
@@ -21,8 +23,9 @@ from typing import TypeVar
 
 import httpx
 import pytest
+from gateway_server import SLUICE
 
-from benchmarks.server_process import ServerProcess
+from benchmarks.server_process import ServerProcess, free_port
 
 ADMIN = "drain-admin-key"
 HANG_S = 240.0
@@ -147,3 +150,34 @@ def test_a_signal_to_the_whole_process_group_drains_the_native_engines_stream(si
         assert not any('"error"' in line for line in stream.lines), stream.lines[-3:]
         assert sum('"text"' in line for line in stream.lines) == 30
         assert server.process.wait(HANG_S) == 0, server.log_tail()
+
+
+def test_a_driver_that_fails_at_once_stops_the_server_with_status_1() -> None:
+    """A model that is not there fails the driver within the lifespan's first second, before the server listens:
+    the process exits with status 1, not by the SIGTERM it sent itself (uvicorn raises a signal it caught before
+    listening again at its end: status 143, which systemd's Restart=on-failure takes for a clean stop), and leaves
+    no engine process behind (`sluice serve` spawns it before the gateway starts)."""
+    proc = subprocess.Popen(
+        [SLUICE, "serve", "--driver", "native", "--no-auth", "--port", str(free_port()), "--model",
+         "/nonexistent/model.gguf"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        out, _ = proc.communicate(timeout=HANG_S)
+        assert proc.returncode == 1, (proc.returncode, out[-3000:])
+        assert "the driver failed to start" in out
+        # Nothing of the server is left (its engine, multiprocessing's resource tracker, which ends once its pipe
+        # from the server closes): the process group empties.
+        wait_for("the server's process group to empty", lambda: None if _group_alive(proc.pid) else True, timeout_s=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
