@@ -132,8 +132,12 @@ class AsyncEngineClient:
         try:
             self.info = await asyncio.wait_for(self._ready, timeout_s)
         except BaseException as exc:
-            # Dead or half-started: make sure no process is left behind, and say why.
-            self._on_dead(incarnation, f"failed to start: {exc or type(exc).__name__}")
+            # Dead or half-started: make sure no process is left behind, and say why. A start cancelled (the
+            # server stopping while the model loads) is a stop, not a death.
+            if isinstance(exc, asyncio.CancelledError):
+                self._on_dead(incarnation, "its start was cancelled", EngineShutDownError)
+            else:
+                self._on_dead(incarnation, f"failed to start: {str(exc) or type(exc).__name__}")
             await self._reap(0.0)
             raise
         return self.info

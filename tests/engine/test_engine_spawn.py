@@ -119,3 +119,20 @@ def _wait_ignoring_sigterm(pid: int, timeout_s: float = 60.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("the engine process never reached engine_main")
+
+
+def test_a_start_cancelled_while_the_model_loads_stops_the_process(tiny: Path) -> None:
+    """The server stopping while its engines load (a port already taken, a signal) cancels their start: a stop,
+    said as such, and no process left."""
+    client = AsyncEngineClient(_config(tiny), progress=False)
+
+    async def cancel_midway() -> None:
+        starting = asyncio.create_task(client.start(timeout_s=120))
+        await asyncio.sleep(0.2)  # spawned, still importing torch
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+
+    asyncio.run(cancel_midway())
+    assert client.dead_reason == "its start was cancelled"
+    assert client.pid is not None and not _alive(client.pid)
