@@ -94,6 +94,12 @@ class AsyncEngineClient:
         A process spawned and never started is killed at interpreter exit."""
         if self._spawned is not None or self.alive:
             return
+        self._spawned = self._start_process()
+        # multiprocessing's own exit handler would SIGTERM it, which the engine ignores, and then wait
+        # for it forever: its pipe stays open in this process. Registered after that handler, so run first.
+        atexit.register(self._kill_unstarted)
+
+    def _start_process(self) -> _Spawned:
         ctx = mp.get_context("spawn")
         parent_in, child_out = ctx.Pipe(duplex=False)  # engine -> client
         child_in, parent_out = ctx.Pipe(duplex=False)  # client -> engine
@@ -106,18 +112,16 @@ class AsyncEngineClient:
         proc.start()
         child_in.close()
         child_out.close()
-        self._spawned = _Spawned(proc, parent_in, parent_out)
-        # multiprocessing's own exit handler would SIGTERM it, which the engine ignores, and then wait
-        # for it forever: its pipe stays open in this process. Registered after that handler, so run first.
-        atexit.register(self._kill_unstarted)
+        return _Spawned(proc, parent_in, parent_out)
 
     async def start(self, timeout_s: float = 300.0) -> EngineReady:
         """Spawn the engine process (unless `spawn()` did) and wait until its model is loaded; raises if
         it fails to."""
-        self.spawn()
         spawned, self._spawned = self._spawned, None
-        assert spawned is not None
-        atexit.unregister(self._kill_unstarted)
+        if spawned is None:
+            spawned = self._start_process()
+        else:
+            atexit.unregister(self._kill_unstarted)
         self._loop = asyncio.get_running_loop()
         self._incarnation += 1
         incarnation = self._incarnation

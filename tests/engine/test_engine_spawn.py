@@ -21,6 +21,7 @@ from engine_native.client import AsyncEngineClient
 from engine_native.config import CacheConfig, EngineConfig
 from engine_native.messages import AddRequest, RequestOutput
 from engine_native.sampling_params import SamplingParams
+from tests.polling import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -108,17 +109,16 @@ def test_a_process_spawned_and_never_started_does_not_hold_up_its_parents_exit(t
     assert not _alive(pid)
 
 
-def _wait_ignoring_sigterm(pid: int, timeout_s: float = 60.0) -> None:
+def _wait_ignoring_sigterm(pid: int) -> None:
     """Until the engine process runs engine_main, which ignores SIGTERM first thing: before that, the exit
     handler's SIGTERM would still end it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def ignoring() -> bool:
         status = Path(f"/proc/{pid}/status").read_text()
         ignored = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
-        if ignored & (1 << (signal.SIGTERM - 1)):
-            return
-        time.sleep(0.05)
-    raise AssertionError("the engine process never reached engine_main")
+        return bool(ignored & (1 << (signal.SIGTERM - 1)))
+
+    wait_until(ignoring, "the engine process to reach engine_main")
 
 
 def test_a_start_cancelled_while_the_model_loads_stops_the_process(tiny: Path) -> None:

@@ -51,3 +51,16 @@ def start_server(
     with ServerProcess(["--driver", "synthetic", *options], startup_timeout_s, auth, env) as server:
         assert server.process is not None
         yield Server(server.base_url, server.process, server.log_tail)
+
+
+def engine_pids(server_pid: int) -> list[int]:
+    """The gateway's engine processes (its multiprocessing-spawned children; not the resource tracker)."""
+    pids = []
+    for child in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmdline:
+            pids.append(int(child))
+    return pids

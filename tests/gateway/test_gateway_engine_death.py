@@ -15,12 +15,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TypeVar
 
 import httpx
 import pytest
-from gateway_server import Server, start_server
+from gateway_server import Server, engine_pids, start_server
 
 MODEL = "smollm2-135m-instruct"
 # A restart backoff that leaves the down state long enough to look at (a restart also loads the model).
@@ -40,19 +39,6 @@ def two_engines() -> Iterator[Server]:
 def one_engine() -> Iterator[Server]:
     yield from start_server(*OPTIONS, "--engines", "1", "--engine-max-failures", "2",
                             "--engine-failure-window", "3600", startup_timeout_s=300)
-
-
-def engine_pids(server_pid: int) -> list[int]:
-    """The gateway's engine processes (its multiprocessing-spawned children; not the resource tracker)."""
-    pids = []
-    for child in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        except FileNotFoundError:
-            continue
-        if b"spawn_main" in cmdline:
-            pids.append(int(child))
-    return pids
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = HANG_S) -> T:

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from gateway_server import Server, start_server
+from gateway_server import Server, engine_pids, start_server
 
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 1024
@@ -287,16 +287,8 @@ def test_the_engine_loads_the_model_while_the_gateway_imports() -> None:
         starting = next(json.loads(line)["ts"] for line in server.log_tail(100_000).splitlines()
                         if line.startswith("{") and json.loads(line).get("msg") == "starting")
         logged = datetime.fromisoformat(starting).timestamp()
-        engine = next(pid for pid in _children(server.process.pid) if b"spawn_main" in _cmdline(pid))
+        engine = engine_pids(server.process.pid)[0]
         assert _started_at(engine) < logged - 0.2, (_started_at(engine), logged)
-
-
-def _children(pid: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def _cmdline(pid: int) -> bytes:
-    return Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def _started_at(pid: int) -> float:
