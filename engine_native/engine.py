@@ -248,6 +248,7 @@ class LLMEngine:
             tracked = self._tracked.pop(rid, None)
             if request is not None and tracked is not None:
                 outputs.append(self._final_output(request, [], "", None))
+        self._idle = not self.scheduler.has_work  # the next step's interval must not count the wait for it
         return outputs
 
     def close(self) -> None:
@@ -297,7 +298,6 @@ class LLMEngine:
         since = started if self._idle else self._last_step_end
         self._recent.append(_StepRecord(now, len(updates), prompt_tokens, cached_tokens, now - since, backlog))
         self._last_step_end = now
-        self._idle = not self.scheduler.has_work
         if self.trace is not None:
             decodes = sum(s.is_decode for s in sched.scheduled)
             self.trace.write(StepRecord(
@@ -317,7 +317,9 @@ class LLMEngine:
             ))
         while self._recent and now - self._recent[0].end > STATS_WINDOW_S:
             self._recent.popleft()
-        return [self._process(u, now) for u in updates]
+        outputs = [self._process(u, now) for u in updates]
+        self._idle = not self.scheduler.has_work  # after the stop strings, which finish requests too
+        return outputs
 
     def _process(self, update: TokenUpdate, now: float) -> RequestOutput:
         request = update.request
@@ -326,8 +328,11 @@ class LLMEngine:
         finished = update.finished
         if tracked.detokenizer is not None:
             text = tracked.detokenizer.append(update.new_token_id)
-            if tracked.detokenizer.stopped is not None and not finished:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if tracked.detokenizer.stopped is not None:
+                if finished:  # its last allowed token completed the stop string: the text ends there, so "stop"
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = tracked.detokenizer.stopped
                 finished = True
             if finished:
@@ -390,7 +395,9 @@ class LLMEngine:
         usage = self.kv_cache.usage()
         now = time.time()
         window = [w for w in self._recent if now - w.end <= STATS_WINDOW_S]
-        span = (now - window[0].end) if len(window) > 1 else 0.0
+        # From the start of the window's first step: its tokens are in the sums (from its end, a burst's
+        # prefill step followed by one decode read as that prefill done in the decode's time).
+        span = (now - (window[0].end - window[0].interval)) if window else 0.0
         rate = sum(w.generated for w in window) / span if span > 0 else 0.0
         # Prompt rates count tokens served, computed or found in the prefix cache, because that is how the
         # work ahead of a request is counted (whole prompts: the gateway's, and the waiting requests' here,

@@ -207,16 +207,33 @@ def test_multibyte_text_streams_without_broken_characters(loaded, text: str) -> 
     assert sum(1 for p in pieces if p == "") > 0  # some tokens really were partial characters
 
 
-def test_idle_time_is_not_counted_as_prefill_time(loaded, prompts) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("ending", ["length", "stop string", "abort"])
+def test_idle_time_is_not_counted_as_prefill_time(loaded, prompts, ending) -> None:  # type: ignore[no-untyped-def]
     """Before: the first step after an idle spell counted the whole spell as its duration, so the
     prefill rate it reported was tiny and the gateway shed the next burst as if it would wait
     minutes (seen: 23 of 32 requests refused at 8 concurrent after a pause). The rate must be the
-    step's own: at most its prompt tokens over the time the step call took."""
+    step's own: at most its prompt tokens over the time the step call took, however the last request
+    before the spell ended (its length, a stop string found after its step, an abort: the last two
+    left the engine idle without a step saying so)."""
     engine = LLMEngine(
         EngineConfig(model_path=bundled_model_path(), cache=CacheConfig(num_blocks=256)), loaded=loaded,
         progress=False,
     )
-    engine.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0))
+    if ending == "length":
+        engine.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0))
+    elif ending == "stop string":
+        engine.add_request("probe", prompts[0], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        token = "".join(out.new_text for out in engine.step())
+        first = token.strip()[:1] or token  # a stop string its first token completes
+        assert first and not engine.has_unfinished
+        engine.add_request("stopped", prompts[0], SamplingParams(max_tokens=4, temperature=0, stop=[first]))
+        outputs = engine.step()
+        assert [(o.request_id, o.finish_reason) for o in outputs] == [("stopped", FinishReason.STOP)]
+    else:
+        engine.add_request("aborted", prompts[0], SamplingParams(max_tokens=50, temperature=0))
+        engine.step()
+        engine.abort(["aborted"])
+    assert not engine.has_unfinished
     time.sleep(1.5)  # idle
     for i, prompt in enumerate(prompts[:4]):
         engine.add_request(f"burst-{i}", prompt, SamplingParams(max_tokens=2, temperature=0))
@@ -229,6 +246,37 @@ def test_idle_time_is_not_counted_as_prefill_time(loaded, prompts) -> None:  # t
     computed = engine.prompt_tokens_total - before
     assert computed > 0
     assert engine.stats().prefill_tokens_per_s >= computed / took
+
+
+def test_the_token_rates_span_the_steps_they_count(loaded, prompts) -> None:  # type: ignore[no-untyped-def]
+    """stats() divides the window's tokens by the time from its first step's start. From that step's end,
+    a prefill followed by one decode read as the prefill done in the decode's time (a prompt rate several
+    times too high: too short a Retry-After, a spurious scale-up signal)."""
+    engine = make_engine(loaded)
+    longest = max(prompts, key=len)
+    engine.add_request("r", longest, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    before = time.time()
+    engine.step()  # the whole prompt: the bundled prompts are within the 512-token budget
+    engine.step()  # one decode
+    took = time.time() - before
+    stats = engine.stats()
+    assert engine.prompt_tokens_total == len(longest)
+    assert stats.prompt_tokens_per_s <= len(longest) / took * 1.05  # 5%: the microseconds before the step's clock
+    assert stats.generation_tokens_per_s <= 2 / took * 1.05
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(loaded, prompts) -> None:  # type: ignore[no-untyped-def]
+    """The token that reaches max_tokens also completes a stop string: the text ends before the stop
+    string, so the request stopped on it ("stop" and its stop string, as OpenAI and vLLM report), not
+    on its length."""
+    engine = make_engine(loaded)
+    engine.add_request("probe", prompts[0], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    token = "".join(out.new_text for out in engine.step())
+    stop = token.strip()[:1] or token
+    engine.add_request("last", prompts[0], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, stop=[stop]))
+    (out,) = engine.step()
+    assert (out.finish_reason, out.stop_reason) == (FinishReason.STOP, stop)
+    assert stop not in out.new_text
 
 
 def test_a_burst_is_served_shortest_prompt_first(loaded, prompts) -> None:  # type: ignore[no-untyped-def]
