@@ -1,7 +1,11 @@
 """OpenAI wire format: request bodies the gateway accepts and the bodies it returns.
 
 Unknown request fields are ignored (msgspec's default), as OpenAI clients send
-extras freely. Range checks that msgspec can express live here as `Meta`
+extras freely; the OpenAI fields that would change the answer and that Sluice does not
+implement (tools, a JSON response format, logit_bias, best_of) are declared here so that
+`gateway.validation` refuses them with a 400 naming the field instead of answering as if
+they were not there. Every optional field takes `null` for its default, as OpenAI's do
+(clients that serialize every key send them). Range checks that msgspec can express live here as `Meta`
 constraints, so a decode error already names the offending field and the OpenAPI
 schema states the same bounds; checks that need the model (context length,
 vocabulary) live in `gateway.validation` and the drivers.
@@ -71,13 +75,13 @@ class Message(msgspec.Struct, frozen=True):
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
-    include_usage: bool = False
+    include_usage: bool | None = None  # None: false
 
 
 class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     """Fields chat and legacy completions share."""
 
-    model: Annotated[str, Meta(max_length=MAX_MODEL_NAME_CHARS)] | None = None  # None: the first served model
+    model: Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_NAME_CHARS)] | None = None  # None: the first served model
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -85,17 +89,20 @@ class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     stop: StopString | StopList | None = None
     seed: Seed | None = None
-    n: N = 1
+    n: N | None = None  # None: 1
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
-    stream: bool = False
+    stream: bool | None = None  # None: false
     stream_options: StreamOptions | None = None
     user: Name | None = None  # accepted for OpenAI compatibility; not used
-    ignore_eos: bool = False  # vLLM extension, used by benchmarks
+    ignore_eos: bool | None = None  # vLLM extension, used by benchmarks; None: false
     # vLLM extension: lower = more important. With auth it can only lower importance below the tenant's
     # tier (the larger of the two wins); with --no-auth it is used as is. Default: the tier (0 without auth).
     priority: Annotated[int, Meta(ge=0, le=1000)] | None = None
+    # Not implemented: accepted only as their no-op values (gateway.validation.refuse_unsupported).
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -106,8 +113,13 @@ class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
 class ChatCompletionRequest(_SamplingFields, frozen=True, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None  # None: false
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # Not implemented: accepted only as their no-op values (gateway.validation.refuse_unsupported).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
 
 # A completion prompt: text, token ids, or a batch of either. msgspec cannot tell list[int] from
@@ -118,8 +130,9 @@ PromptElement = Text | TokenId | Annotated[list[TokenId], Meta(max_length=MAX_PR
 class CompletionRequest(_SamplingFields, frozen=True, kw_only=True):
     prompt: Text | Annotated[list[PromptElement], Meta(min_length=1, max_length=MAX_PROMPT_ITEMS)]
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
-    echo: bool = False
+    echo: bool | None = None  # None: false; true is refused (not implemented)
     suffix: Text | None = None
+    best_of: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None  # only best_of == n is served
 
 
 # -- responses -----------------------------------------------------------------------------------

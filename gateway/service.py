@@ -133,7 +133,7 @@ class CompletionService:
             logprobs = dispatch.logprobs is not None
             fingerprint = target.fingerprint
             if body.stream:
-                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
                 renderer = chunks(rid, created, dispatch.model, fingerprint)
                 events = _events(scope, dispatch, renderer, include_usage, logprobs)
                 return Reply(scope.stream(events), {**scope.headers, **_version_headers(target)})

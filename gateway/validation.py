@@ -2,10 +2,11 @@
 
 Two steps, cheap first:
 
-    chat_plan / completion_plan   model exists, options supported, prompt not longer than the
-                                  context can hold at MAX_BYTES_PER_TOKEN (no tokenizing)  -> Plan
-    Plan.tokenize(driver)         each distinct prompt tokenized once, off the event loop; prompt +
-                                  max_tokens fit the context; one request per choice       -> Dispatch
+    chat_plan / completion_plan   model exists, options supported (an OpenAI option Sluice does not
+                                  implement is a 400 naming it, never ignored), prompt not longer
+                                  than the context can hold at MAX_BYTES_PER_TOKEN (no tokenizing) -> Plan
+    Plan.tokenize(driver)         each distinct prompt tokenized once, off the event loop; not empty;
+                                  prompt + max_tokens fit the context; one request per choice    -> Dispatch
 
 Shape and range checks are already done by the schemas. The choices of one prompt share its
 token ids (`GenerationRequest.tokenized_prompt`), so the driver never tokenizes again.
@@ -32,6 +33,10 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest
 # token is 81 bytes), so a prompt of more characters than max_model_len x this can never fit the
 # context: it is refused before the tokenizer spends up to a second on it.
 MAX_BYTES_PER_TOKEN = 128
+
+# The legacy completions API's max_tokens when the request omits it (OpenAI's documented default, and
+# vLLM's); chat completions run up to the context, within the gateway's cap (Settings.max_default_tokens).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -66,9 +71,12 @@ class Plan:
     n: int
     seed: int | None
     logprobs: int | None
+    default_max_tokens: int | None = None  # the API's own default for an omitted max_tokens; None: none
 
     async def tokenize(self, driver: Driver, default_cap: int) -> Dispatch:
         """Tokenize each distinct prompt once and check that it fits with its completion budget."""
+        if self.default_max_tokens is not None:
+            default_cap = min(default_cap, self.default_max_tokens)
         ready: list[GenerationRequest] = []
         lengths: list[int] = []
         seen: dict[str, list[int]] = {}  # a batch may repeat a text prompt: tokenize it once
@@ -79,6 +87,8 @@ class Plan:
                 ids = await driver.tokenize(prompt)
                 if key is not None:
                     seen[key] = ids
+            if not ids:  # "" with a tokenizer that adds no BOS: nothing to continue from
+                raise InvalidRequestError(f"The {self.prompt_name} is empty once tokenized.", self.prompt_name)
             budget = _completion_budget(self.card, len(ids), self.max_tokens, default_cap, self.prompt_name)
             ready.append(msgspec.structs.replace(prompt, max_tokens=budget, tokenized_prompt=ids))
             lengths.append(len(ids))
@@ -100,6 +110,15 @@ def resolve_model(driver: Driver, name: str | None) -> ModelCard:
 
 def chat_plan(body: ChatCompletionRequest, request_id: str, driver: Driver) -> Plan:
     card = resolve_model(driver, body.model)
+    _refuse_unsupported(body)
+    if body.tools:
+        raise InvalidRequestError("tools (function calling) are not supported", "tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequestError("tool_choice is not supported: no tools can be given", "tool_choice")
+    if body.functions:
+        raise InvalidRequestError("functions (function calling) are not supported", "functions")
+    if body.function_call not in (None, "none", "auto"):
+        raise InvalidRequestError("function_call is not supported: no functions can be given", "function_call")
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -107,11 +126,14 @@ def chat_plan(body: ChatCompletionRequest, request_id: str, driver: Driver) -> P
     _check_length(card, sum(len(m.content) for m in messages), "messages")
     template = msgspec.structs.replace(_base_request(body, request_id, card.id, logprobs), messages=messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return Plan(request_id, card, [template], max_tokens, "messages", body.n, body.seed, logprobs)
+    return Plan(request_id, card, [template], max_tokens, "messages", body.n or 1, body.seed, logprobs)
 
 
 def completion_plan(body: CompletionRequest, request_id: str, driver: Driver) -> Plan:
     card = resolve_model(driver, body.model)
+    _refuse_unsupported(body)
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise InvalidRequestError("best_of is not supported unless it equals n", "best_of")
     if body.echo:
         raise InvalidRequestError("echo is not supported", "echo")
     if body.suffix:
@@ -124,7 +146,20 @@ def completion_plan(body: CompletionRequest, request_id: str, driver: Driver) ->
             prompts.append(msgspec.structs.replace(base, prompt=prompt))
         else:
             prompts.append(msgspec.structs.replace(base, prompt_token_ids=prompt))
-    return Plan(request_id, card, prompts, body.max_tokens, "prompt", body.n, body.seed, body.logprobs)
+    return Plan(request_id, card, prompts, body.max_tokens, "prompt", body.n or 1, body.seed, body.logprobs,
+                default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS)
+
+
+def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """The OpenAI options both endpoints share that Sluice does not implement: a 400 naming the option
+    unless it is given as its no-op value, rather than an answer that ignored it."""
+    if body.logit_bias:
+        raise InvalidRequestError("logit_bias is not supported", "logit_bias")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise InvalidRequestError("response_format other than text (JSON mode, JSON schemas) is not supported",
+                                  "response_format")
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
 
 
 def _check_length(card: ModelCard, characters: int, prompt_name: Literal["messages", "prompt"]) -> None:
@@ -158,7 +193,7 @@ def _base_request(
         frequency_penalty=body.frequency_penalty or 0.0,
         seed=body.seed,
         stop=body.stop_list(),
-        ignore_eos=body.ignore_eos,
+        ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
         priority=body.priority or 0,
     )

@@ -71,6 +71,71 @@ def test_invalid_completion_bodies_are_400(server: Server, body: dict[str, Any],
     assert_error(httpx.post(server.v1 + "/completions", json=body), 400, param)
 
 
+COMPLETION = {"model": "synthetic", "prompt": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        (CHAT, {**GOOD, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        (CHAT, {**GOOD, "tool_choice": "required"}, "tool_choice"),
+        (CHAT, {**GOOD, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        (CHAT, {**GOOD, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        (CHAT, {**GOOD, "function_call": {"name": "f"}}, "function_call"),
+        (CHAT, {**GOOD, "response_format": {"type": "json_object"}}, "response_format"),
+        (CHAT, {**GOOD, "logit_bias": {"50256": -100}}, "logit_bias"),
+        (CHAT, {**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/completions", {**COMPLETION, "best_of": 3}, "best_of"),
+        ("/completions", {**COMPLETION, "logit_bias": {"7": 5}}, "logit_bias"),
+        ("/completions", {**COMPLETION, "response_format": {"type": "json_schema"}}, "response_format"),
+        ("/completions", {**COMPLETION, "echo": True}, "echo"),
+        (CHAT, {**GOOD, "model": ""}, "model"),
+    ],
+)
+def test_options_that_are_not_implemented_are_400_not_ignored(
+    server: Server, route: str, body: dict[str, Any], param: str
+) -> None:
+    """An OpenAI option that would change the answer and that Sluice does not implement is refused, naming
+    it; answering as if it had not been sent (plain text for a tool call, no JSON mode) misleads clients."""
+    error = assert_error(httpx.post(server.v1 + route, json=body), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        (CHAT, {**GOOD, "n": None, "stream": None, "logprobs": None, "ignore_eos": None, "top_logprobs": None,
+                "temperature": None, "stop": None, "seed": None, "user": None, "max_tokens": 3}),
+        (CHAT, {**GOOD, "tools": [], "tool_choice": "none", "functions": None, "function_call": "auto",
+                "response_format": {"type": "text"}, "logit_bias": {}, "max_tokens": 3}),
+        (CHAT, {**GOOD, "stream": True, "stream_options": {"include_usage": None}, "max_tokens": 3}),
+        ("/completions", {**COMPLETION, "echo": None, "best_of": None, "n": None, "suffix": None, "max_tokens": 3}),
+        ("/completions", {**COMPLETION, "best_of": 2, "n": 2, "echo": False, "logit_bias": None, "max_tokens": 3}),
+    ],
+)
+def test_null_and_no_op_values_of_optional_fields_are_their_defaults(
+    server: Server, route: str, body: dict[str, Any]
+) -> None:
+    """OpenAI's optional fields take null for their default, and clients that serialize every key send it."""
+    resp = httpx.post(server.v1 + route, json=body)
+    assert resp.status_code == 200, resp.text
+    if body.get("stream"):
+        assert resp.text.rstrip().endswith("data: [DONE]") and '"usage"' not in resp.text
+    else:
+        assert len(resp.json()["choices"]) == (body.get("n") or 1)
+
+
+def test_a_completion_without_max_tokens_gets_openais_default_of_16(server: Server) -> None:
+    """The legacy completions API stops at 16 tokens when max_tokens is omitted (OpenAI's default, and
+    vLLM's); chat runs on up to the context."""
+    resp = httpx.post(server.v1 + "/completions", json={**COMPLETION, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["usage"]["completion_tokens"] == 16 and body["choices"][0]["finish_reason"] == "length"
+    chat = httpx.post(server.v1 + CHAT, json={**GOOD, "ignore_eos": True}, timeout=60).json()
+    assert chat["usage"]["completion_tokens"] > 16
+
+
 @pytest.mark.parametrize(
     "raw", [b"{bad json", b"", b"[1, 2]", b"null", '{"messages": "\xff"}'.encode("latin-1")]
 )

@@ -114,6 +114,9 @@ def test_bad_inputs_get_openai_errors(client: openai.OpenAI) -> None:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=-1)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=[999_999], max_tokens=2)  # token id outside the vocab
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.completions.create(model=MODEL, prompt="", max_tokens=2)  # SmolLM2 adds no BOS: no tokens at all
+    assert empty.value.param == "prompt"
 
 
 def test_integers_past_64_bits_are_400_not_a_crash_of_the_engine_pipe(native: Server) -> None:
