@@ -55,6 +55,7 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N: sampled token's logprob plus top N alternatives
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling, in [-100, 100]
     priority: int = 0  # lower value = more important (tier 0 is the highest)
     tenant_id: str | None = None
     # The prompt as the engine sees it (token ids after the chat template and BOS), from

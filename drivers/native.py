@@ -247,6 +247,7 @@ class NativeDriver(Driver):
             stop=list(request.stop),
             stop_token_ids=list(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
+            logit_bias=dict(request.logit_bias),
             logprobs=request.logprobs,
         )
         try:

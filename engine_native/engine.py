@@ -225,6 +225,8 @@ class LLMEngine:
         vocab = self.loaded.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

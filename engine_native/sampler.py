@@ -5,6 +5,7 @@ Pipeline per row, in this order (each stage runs only over the rows that need it
     raw logits ──> logprobs (log_softmax of the raw logits, see below)
         │
         ├─> repetition penalty (HF, over prompt + output) ─> presence/frequency penalty (OpenAI, over output)
+        │     ─> logit_bias (OpenAI, added to the tokens it names)
         │
         ├─ greedy rows ─> argmax
         └─ random rows ─> / temperature ─> top_k ─> top_p ─> min_p ─> softmax ─> inverse-CDF draw
@@ -78,6 +79,7 @@ def make_generator(seed: int | None) -> torch.Generator | None:
 def _has_penalties(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        or bool(params.logit_bias)
     )
 
 
@@ -173,8 +175,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingInput], penalised: 
     divided by the penalty if positive, multiplied if negative.
     presence/frequency (OpenAI): logit -= presence * [count > 0] + frequency * count,
     counting output tokens only.
+    logit_bias (OpenAI): logit += bias of each token the row's map names, last.
 
-    Both touch only the tokens a row has seen, so they work on those (row, token)
+    Each touches only the tokens a row has seen or names, so they work on those (row, token)
     positions of the flattened tensor, not on every [S, V] entry.
     """
     device = logits.device
@@ -210,6 +213,12 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingInput], penalised: 
         presence = _per_row({i: rows[i].params.presence_penalty for i in additive}, 0.0)[owner]
         frequency = _per_row({i: rows[i].params.frequency_penalty for i in additive}, 0.0)[owner]
         flat[generated] -= presence + frequency * counts
+
+    biased = [i for i in penalised if rows[i].params.logit_bias]
+    if biased:
+        positions = _positions({i: list(rows[i].params.logit_bias) for i in biased})
+        flat[positions] += torch.tensor([v for i in biased for v in rows[i].params.logit_bias.values()],
+                                        dtype=out.dtype, device=device)
     return out
 
 

@@ -20,6 +20,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; N >= 0: the sampled token's logprob + top N
+    # OpenAI's logit_bias: added to these tokens' logits before sampling (after the penalties), in
+    # [-100, 100]; -100 bans a token, 100 all but forces it. The engine checks the ids against its vocabulary.
+    logit_bias: dict[int, float] = {}
     skip_special_tokens: bool = True
 
     @property
@@ -46,3 +49,5 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")

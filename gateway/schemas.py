@@ -2,7 +2,7 @@
 
 Unknown request fields are ignored (msgspec's default), as OpenAI clients send
 extras freely; the OpenAI fields that would change the answer and that Sluice does not
-implement (tools, a JSON response format, logit_bias, best_of) are declared here so that
+implement (tools, a JSON response format, best_of) are declared here so that
 `gateway.validation` refuses them with a 400 naming the field instead of answering as if
 they were not there. Every optional field takes `null` for its default, as OpenAI's do
 (clients that serialize every key send them). Range checks that msgspec can express live here as `Meta`
@@ -37,6 +37,8 @@ MAX_STOP_CHARS = 256
 MAX_MODEL_NAME_CHARS = 200
 """Model names are stored with each usage record (a VARCHAR(200) column)."""
 MAX_NAME_CHARS = 256
+MAX_LOGIT_BIAS = 1024
+"""Most tokens one `logit_bias` may name."""
 """A message's `name` and the end-user id `user`."""
 
 Role = Literal["system", "user", "assistant", "developer", "tool"]
@@ -53,6 +55,7 @@ Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 """A signed 64-bit seed. Choice i of a request samples with seed + i: at most 2**63 - 1 plus the number
 of choices, inside what torch.Generator.manual_seed and msgpack take (below 2**64)."""
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 """Below 2**31; whether the model's vocabulary has it is checked by the driver."""
 
 
@@ -100,8 +103,9 @@ class _SamplingFields(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM extension: lower = more important. With auth it can only lower importance below the tenant's
     # tier (the larger of the two wins); with --no-auth it is used as is. Default: the tier (0 without auth).
     priority: Annotated[int, Meta(ge=0, le=1000)] | None = None
-    # Not implemented: accepted only as their no-op values (gateway.validation.refuse_unsupported).
-    logit_bias: dict[str, Any] | None = None
+    # Token id (as a string, OpenAI's form) -> added to its logit before sampling; -100 bans it.
+    logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    # Not implemented: accepted only as its no-op value (gateway.validation._refuse_unsupported).
     response_format: dict[str, Any] | None = None
 
     def stop_list(self) -> list[str]:

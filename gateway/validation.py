@@ -27,7 +27,7 @@ from drivers.base import (
     ModelCard,
     ModelNotFoundError,
 )
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import INT32_MAX, ChatCompletionRequest, CompletionRequest
 
 # No tokenizer we serve puts more than this many bytes of text into one token (SmolLM2's longest
 # token is 81 bytes), so a prompt of more characters than max_model_len x this can never fit the
@@ -153,8 +153,6 @@ def completion_plan(body: CompletionRequest, request_id: str, driver: Driver) ->
 def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     """The OpenAI options both endpoints share that Sluice does not implement: a 400 naming the option
     unless it is given as its no-op value, rather than an answer that ignored it."""
-    if body.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported", "logit_bias")
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise InvalidRequestError("response_format other than text (JSON mode, JSON schemas) is not supported",
                                   "response_format")
@@ -195,8 +193,19 @@ def _base_request(
         stop=body.stop_list(),
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
+        logit_bias=_logit_bias(body.logit_bias),
         priority=body.priority or 0,
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's string keys as token ids (whether the vocabulary has them is the engine's check)."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.isascii() or not key.isdigit() or int(key) > INT32_MAX:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _completion_budget(

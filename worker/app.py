@@ -306,7 +306,8 @@ class WorkerApp:
             max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
             repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty, seed=s.seed, stop=s.stop, stop_token_ids=s.stop_token_ids,
-            ignore_eos=s.ignore_eos, logprobs=s.logprobs, priority=sub.priority, tenant_id=sub.tenant_id,
+            ignore_eos=s.ignore_eos, logprobs=s.logprobs, logit_bias=s.logit_bias, priority=sub.priority,
+            tenant_id=sub.tenant_id,
             tenant_weight=sub.tenant_weight,
         )
 

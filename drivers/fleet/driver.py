@@ -233,7 +233,7 @@ class FleetDriver(RoutedDriver["WorkerInfo | ServerNode"]):
                 max_tokens=budget - len(sent), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                 min_p=r.min_p, repetition_penalty=r.repetition_penalty, presence_penalty=r.presence_penalty,
                 frequency_penalty=r.frequency_penalty, seed=r.seed, stop=r.stop, stop_token_ids=r.stop_token_ids,
-                ignore_eos=r.ignore_eos, logprobs=r.logprobs,
+                ignore_eos=r.ignore_eos, logprobs=r.logprobs, logit_bias=r.logit_bias,
             ),
             priority=r.priority, tenant_id=r.tenant_id, tenant_weight=r.tenant_weight,
             resumed_tokens=len(sent), incarnation=worker.incarnation, prefix_key=key,

@@ -59,6 +59,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: dict[int, float] = {}
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True):

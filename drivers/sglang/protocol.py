@@ -105,6 +105,8 @@ def generate_body(request: GenerationRequest, rid: str, input_ids: list[int], ma
     }
     if r.seed is not None:
         sampling["sampling_seed"] = r.seed
+    if r.logit_bias:  # SGLang's SamplingParams.logit_bias: token ids as strings
+        sampling["logit_bias"] = {str(t): v for t, v in r.logit_bias.items()}
     body: dict[str, Any] = {
         "rid": rid, "input_ids": input_ids, "sampling_params": sampling, "stream": True, "priority": -r.priority,
     }

@@ -395,3 +395,23 @@ def test_the_argmax_kernel_picks_what_torch_argmax_picks() -> None:
         assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=-1)), vocab
     with pytest.raises(RuntimeError, match="contiguous fp32"):
         kernels.argmax_rows(torch.zeros(2, 8).t())
+
+
+def test_logit_bias_adds_to_the_named_tokens_of_its_own_row_only() -> None:
+    """+100 all but forces a token in greedy and sampled rows alike, -100 bans the argmax; a row without a
+    bias beside them keeps the model's argmax and every other logit, and logprobs stay the raw model's."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
+    top = int(logits[1].argmax())
+    rows = [
+        _row(SamplingParams(temperature=0.0, logit_bias={17: 100.0})),
+        _row(SamplingParams(temperature=0.0, logit_bias={top: -100.0})),
+        _row(SamplingParams(temperature=0.0, logprobs=0)),
+        _row(SamplingParams(temperature=1.0, seed=5, logit_bias={423: 100.0})),
+    ]
+    out = Sampler()(logits, rows)
+    assert out.token_ids[0] == 17 and out.token_ids[3] == 423
+    assert out.token_ids[1] == int(logits[1].topk(2).indices[1]) and out.token_ids[2] == int(logits[2].argmax())
+    biased = apply_penalties(logits, rows, [0, 1, 3])
+    changed = (biased != logits).nonzero().tolist()
+    assert changed == [[0, 17], [1, top], [3, 423]]
+    assert biased[1, top] == pytest.approx(float(logits[1, top]) - 100.0)

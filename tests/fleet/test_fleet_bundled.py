@@ -66,6 +66,11 @@ def test_greedy_through_the_fleet_equals_single_node_even_across_a_kill_9() -> N
         for prompt, want in zip(PROMPTS[:2], reference, strict=False):
             s = Stream(base, {**body, "prompt": prompt}).start().join()
             assert (s.error, s.text, s.completion_tokens) == (None, want, MAX_TOKENS)
+        # logit_bias travels to the worker's sampler: the first id of "banana" ("ban") forced three times.
+        forced = httpx.post(ws[0].url + wire.TOKENIZE_PATH, json={"model": MODEL, "prompt": "banana"},
+                            timeout=60).json()["token_ids"][0]
+        s = Stream(base, {**body, "prompt": PROMPTS[2], "max_tokens": 3, "logit_bias": {str(forced): 100}}).start().join()
+        assert (s.error, s.text) == (None, "ban" * 3)
         # The last one loses its worker mid-stream.
         s = Stream(base, {**body, "prompt": PROMPTS[3]}).start()
         assert s.started.wait(120)

@@ -83,10 +83,11 @@ COMPLETION = {"model": "synthetic", "prompt": "hi"}
         (CHAT, {**GOOD, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
         (CHAT, {**GOOD, "function_call": {"name": "f"}}, "function_call"),
         (CHAT, {**GOOD, "response_format": {"type": "json_object"}}, "response_format"),
-        (CHAT, {**GOOD, "logit_bias": {"50256": -100}}, "logit_bias"),
         (CHAT, {**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),
         ("/completions", {**COMPLETION, "best_of": 3}, "best_of"),
-        ("/completions", {**COMPLETION, "logit_bias": {"7": 5}}, "logit_bias"),
+        (CHAT, {**GOOD, "logit_bias": {"the": 5}}, "logit_bias"),
+        ("/completions", {**COMPLETION, "logit_bias": {"-7": 5}}, "logit_bias"),
+        ("/completions", {**COMPLETION, "logit_bias": {"99999999999": 5}}, "logit_bias"),
         ("/completions", {**COMPLETION, "response_format": {"type": "json_schema"}}, "response_format"),
         ("/completions", {**COMPLETION, "echo": True}, "echo"),
         (CHAT, {**GOOD, "model": ""}, "model"),
@@ -96,9 +97,17 @@ def test_options_that_are_not_implemented_are_400_not_ignored(
     server: Server, route: str, body: dict[str, Any], param: str
 ) -> None:
     """An OpenAI option that would change the answer and that Sluice does not implement is refused, naming
-    it; answering as if it had not been sent (plain text for a tool call, no JSON mode) misleads clients."""
+    it; answering as if it had not been sent (plain text for a tool call, no JSON mode) misleads clients.
+    So is a logit_bias key that is not a token id."""
     error = assert_error(httpx.post(server.v1 + route, json=body), 400, param)
     assert error["type"] == "invalid_request_error"
+
+
+def test_a_logit_bias_value_out_of_range_is_400(server: Server) -> None:
+    """Values lie in [-100, 100], as OpenAI's; the decoder names the field."""
+    for value in (101, -100.5):
+        error = assert_error(httpx.post(server.v1 + CHAT, json={**GOOD, "logit_bias": {"5": value}}), 400)
+        assert error["param"].startswith("logit_bias") and "100" in error["message"]
 
 
 @pytest.mark.parametrize(

@@ -119,6 +119,30 @@ def test_bad_inputs_get_openai_errors(client: openai.OpenAI) -> None:
     assert empty.value.param == "prompt"
 
 
+def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI) -> None:
+    """OpenAI's logit_bias reaches the engine's sampler: +100 all but forces a token, -100 bans the one greedy
+    decoding would pick; an id outside the vocabulary is a 400."""
+    from engine_native.model.bundled import bundled_model_path
+    from engine_native.model.tokenizer_loader import load_tokenizer
+
+    tok = load_tokenizer(bundled_model_path())
+    assert tok is not None
+    prompt = "The capital of France is"
+    forced = tok.encode("banana", add_special_tokens=False)[0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                    logit_bias={str(forced): 100})
+    assert out.choices[0].text == tok.decode([forced] * 3)
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0).choices[0].text
+    banned = tok.encode(first, add_special_tokens=False)
+    assert len(banned) == 1  # the greedy first token, whole
+    other = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                      logit_bias={str(banned[0]): -100}).choices[0].text
+    assert other != first
+    with pytest.raises(openai.BadRequestError) as outside:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logit_bias={"10000000": 5})
+    assert "logit_bias" in str(outside.value)
+
+
 def test_integers_past_64_bits_are_400_not_a_crash_of_the_engine_pipe(native: Server) -> None:
     """msgpack carries integers below 2**64 only: such a seed or token id once made a 500 here."""
     url = native.v1 + "/completions"
