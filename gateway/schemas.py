@@ -37,9 +37,9 @@ MAX_STOP_CHARS = 256
 MAX_MODEL_NAME_CHARS = 200
 """Model names are stored with each usage record (a VARCHAR(200) column)."""
 MAX_NAME_CHARS = 256
+"""A message's `name` and the end-user id `user`."""
 MAX_LOGIT_BIAS = 1024
 """Most tokens one `logit_bias` may name."""
-"""A message's `name` and the end-user id `user`."""
 
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -55,8 +55,9 @@ Seed = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 """A signed 64-bit seed. Choice i of a request samples with seed + i: at most 2**63 - 1 plus the number
 of choices, inside what torch.Generator.manual_seed and msgpack take (below 2**64)."""
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
-Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 """Below 2**31; whether the model's vocabulary has it is checked by the driver."""
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+"""A logit_bias value, OpenAI's range."""
 
 
 class TextPart(msgspec.Struct, frozen=True):
@@ -119,7 +120,7 @@ class ChatCompletionRequest(_SamplingFields, frozen=True, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None  # None: false
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    # Not implemented: accepted only as their no-op values (gateway.validation.refuse_unsupported).
+    # Not implemented: accepted only as their no-op values (gateway.validation.chat_plan).
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None

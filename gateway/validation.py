@@ -202,7 +202,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's string keys as token ids (whether the vocabulary has them is the engine's check)."""
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        if not key.isascii() or not key.isdigit() or int(key) > INT32_MAX:
+        if not key.isascii() or not key.isdigit() or len(key) > 10 or int(key) > INT32_MAX:  # int() of no huge text
             raise InvalidRequestError(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias")
         out[int(key)] = value
     return out

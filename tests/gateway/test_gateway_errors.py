@@ -88,6 +88,7 @@ COMPLETION = {"model": "synthetic", "prompt": "hi"}
         (CHAT, {**GOOD, "logit_bias": {"the": 5}}, "logit_bias"),
         ("/completions", {**COMPLETION, "logit_bias": {"-7": 5}}, "logit_bias"),
         ("/completions", {**COMPLETION, "logit_bias": {"99999999999": 5}}, "logit_bias"),
+        ("/completions", {**COMPLETION, "logit_bias": {"9" * 5000: 5}}, "logit_bias"),  # past int()'s 4,300 digits
         ("/completions", {**COMPLETION, "response_format": {"type": "json_schema"}}, "response_format"),
         ("/completions", {**COMPLETION, "echo": True}, "echo"),
         (CHAT, {**GOOD, "model": ""}, "model"),
@@ -98,7 +99,7 @@ def test_options_that_are_not_implemented_are_400_not_ignored(
 ) -> None:
     """An OpenAI option that would change the answer and that Sluice does not implement is refused, naming
     it; answering as if it had not been sent (plain text for a tool call, no JSON mode) misleads clients.
-    So is a logit_bias key that is not a token id."""
+    So are a logit_bias key that is not a token id and an empty model name (it served the default model)."""
     error = assert_error(httpx.post(server.v1 + route, json=body), 400, param)
     assert error["type"] == "invalid_request_error"
 
