@@ -113,7 +113,7 @@ class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
     # Final chunk: when the engine preempted (and later recomputed) the request.
     preemption_times: list[float] = []
     # Final chunk: prompt tokens the engine served from its prefix cache (usage's
-    # prompt_tokens_details.cached_tokens); None: the engine does not say (SGLang's does).
+    # prompt_tokens_details.cached_tokens); None: the engine does not say (the native engine and SGLang do).
     cached_tokens: int | None = None
 
 

@@ -356,6 +356,7 @@ class NativeDriver(Driver):
             node_id=node_id,
             token_time=out.token_time,
             preemption_times=out.preemption_times,
+            cached_tokens=out.num_cached_tokens,
         )
 
     def nodes(self) -> NodesReport:

@@ -378,6 +378,7 @@ class LLMEngine:
             finish_time=request.finish_time or now,
             num_preemptions=request.num_preemptions,
             preemption_times=list(request.preemption_times),
+            num_cached_tokens=request.num_cached_prompt_tokens,
         )
 
     def _token_text(self, token_id: int) -> str:

@@ -97,6 +97,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     finish_time: float | None = None
     num_preemptions: int = 0
     preemption_times: list[float] = []
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (usage's cached_tokens)
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):

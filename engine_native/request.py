@@ -66,6 +66,7 @@ class Request:
     num_preemptions: int = 0
     preemption_times: list[float] = field(default_factory=list)  # time.time() of each, for traces
     num_prefill_chunks: int = 0  # steps that computed part of a prompt without sampling
+    num_cached_prompt_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     generator: torch.Generator | None = None
 

@@ -341,6 +341,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
+                request.num_cached_prompt_tokens = min(start, request.num_prompt_tokens)  # usage's cached_tokens
             self.running.append(request)
             out.scheduled.append(ScheduledRequest.of(request, n_new, 0 if swapped else start, admitted=True))
             budget -= n_new

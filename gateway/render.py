@@ -57,11 +57,8 @@ class ChoiceOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
-    cached_tokens: int | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
-        if chunk.cached_tokens is not None:
-            self.cached_tokens = chunk.cached_tokens
         self.text.append(chunk.text)
         self.logprobs.extend(chunk.logprobs or [])
         self.completion_tokens = chunk.completion_tokens
@@ -84,12 +81,6 @@ def _nothing_new(chunk: GenerationChunk, logprobs: bool) -> bool:
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
     details = PromptTokensDetails(cached_tokens) if cached_tokens is not None else None
     return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
-
-
-def cached_of(outputs: list[ChoiceOutput]) -> int | None:
-    """The choices share one prompt: the most of it any engine served from cache, if one said."""
-    known = [o.cached_tokens for o in outputs if o.cached_tokens is not None]
-    return max(known) if known else None
 
 
 def _chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
@@ -120,8 +111,8 @@ def _completion_logprobs(items: list[TokenLogprob], start_offset: int = 0) -> Co
 
 
 def chat_completion(
-    rid: str, created: int, model: str, outputs: list[ChoiceOutput], prompt_tokens: int, logprobs: bool,
-    fingerprint: str | None = None,
+    rid: str, created: int, model: str, outputs: list[ChoiceOutput], prompt_tokens: int, cached_tokens: int | None,
+    logprobs: bool, fingerprint: str | None = None,
 ) -> ChatCompletion:
     choices = [
         ChatChoice(
@@ -134,14 +125,14 @@ def chat_completion(
     ]
     completion = sum(o.completion_tokens for o in outputs)
     return ChatCompletion(
-        id=rid, created=created, model=model, choices=choices, usage=usage(prompt_tokens, completion, cached_of(outputs)),
+        id=rid, created=created, model=model, choices=choices, usage=usage(prompt_tokens, completion, cached_tokens),
         system_fingerprint=fingerprint,
     )
 
 
 def text_completion(
-    rid: str, created: int, model: str, outputs: list[ChoiceOutput], prompt_tokens: int, logprobs: bool,
-    fingerprint: str | None = None,
+    rid: str, created: int, model: str, outputs: list[ChoiceOutput], prompt_tokens: int, cached_tokens: int | None,
+    logprobs: bool, fingerprint: str | None = None,
 ) -> Completion:
     choices = [
         CompletionChoice(
@@ -156,7 +147,7 @@ def text_completion(
         created=created,
         model=model,
         choices=choices,
-        usage=usage(prompt_tokens, completion, cached_of(outputs)),
+        usage=usage(prompt_tokens, completion, cached_tokens),
         system_fingerprint=fingerprint,
     )
 

@@ -122,7 +122,7 @@ class RequestScope:
         self.dispatch: Dispatch | None = None
         self.ticket: Ticket | None = None
         self.completion: list[int] = []  # completion tokens of each choice, as last reported
-        self.cached_tokens: int | None = None  # prompt tokens served from the engine's cache, if it says
+        self._cached: list[int | None] = []  # each choice's prompt tokens the engine served from its cache
         self._model = model or ""  # what the body asked for, until the plan resolves it
         self._counted: dict[str, str] | None = None  # x-ratelimit-*-requests once the request counted
         self._usage_recorded = False  # the gate wrote the refusal's usage record itself
@@ -140,6 +140,21 @@ class RequestScope:
     def headers(self) -> dict[str, str]:
         """x-ratelimit-* headers for the response (requests: from the count; tokens: the ticket)."""
         return {**(self._counted or {}), **(self.ticket.headers if self.ticket is not None else {})}
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens served from the engine's prefix cache (usage.prompt_tokens_details), None when no
+        engine said: per distinct prompt the most any of its choices found cached (they share it, as
+        prompt_tokens counts it once), summed over the prompts of a batch."""
+        dispatch = self.dispatch
+        if dispatch is None or all(c is None for c in self._cached):
+            return None
+        per_prompt = [0] * len(dispatch.prompt_lengths)
+        for choice, cached in enumerate(self._cached):
+            if cached is not None:
+                p = dispatch.prompt_of(choice)
+                per_prompt[p] = max(per_prompt[p], cached)
+        return sum(per_prompt)
 
     @property
     def ttft(self) -> float | None:
@@ -188,6 +203,7 @@ class RequestScope:
             dispatch = dataclasses.replace(dispatch, requests=requests)
         self.dispatch = dispatch
         self.completion = [0] * len(dispatch.requests)
+        self._cached = [None] * len(dispatch.requests)
         return dispatch
 
     async def reserve(self) -> None:
@@ -258,7 +274,7 @@ class RequestScope:
         async for i, chunk in self._fanout.chunks():
             self.completion[i] = chunk.completion_tokens
             if chunk.cached_tokens is not None:
-                self.cached_tokens = max(self.cached_tokens or 0, chunk.cached_tokens)
+                self._cached[i] = chunk.cached_tokens
             if timeline is not None:
                 timeline.add(i, chunk)
             yield i, chunk

@@ -110,7 +110,7 @@ class CompletionService:
         arrival: Arrival | None,
         plan: Callable[[_Body, str, Driver], Plan],
         chunks: type[ChatChunks | CompletionChunks],
-        whole: Callable[[str, int, str, list[ChoiceOutput], int, bool, str | None], msgspec.Struct],
+        whole: Callable[[str, int, str, list[ChoiceOutput], int, int | None, bool, str | None], msgspec.Struct],
     ) -> Reply:
         """The one path of both endpoints: admit, prepare, reserve, open, then stream or collect."""
         if caller is None and body.priority is None:
@@ -140,7 +140,8 @@ class CompletionService:
             outputs = [ChoiceOutput() for _ in dispatch.requests]
             async for i, chunk in scope.chunks():
                 outputs[i].add(chunk)
-        body_out = whole(rid, created, dispatch.model, outputs, dispatch.prompt_tokens, logprobs, fingerprint)
+        body_out = whole(rid, created, dispatch.model, outputs, dispatch.prompt_tokens, scope.cached_tokens, logprobs,
+                         fingerprint)
         return Reply(body_out, {**scope.headers, **_version_headers(target)})
 
 

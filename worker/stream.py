@@ -138,7 +138,7 @@ def merged_event(chunks: list[GenerationChunk]) -> wire.TokensEvent:
         prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
         finish_reason=last.finish_reason, logprobs=logprobs, arrival_time=last.arrival_time,
         first_scheduled_time=last.first_scheduled_time, first_token_time=last.first_token_time,
-        finish_time=last.finish_time, preemption_times=last.preemption_times,
+        finish_time=last.finish_time, preemption_times=last.preemption_times, cached_tokens=last.cached_tokens,
     )
 
 

@@ -258,6 +258,8 @@ class FleetDriver(RoutedDriver["WorkerInfo | ServerNode"]):
             arrival_time=e.arrival_time, first_scheduled_time=e.first_scheduled_time,
             first_token_time=e.first_token_time, finish_time=e.finish_time, node_id=node,
             token_time=e.token_times[-1] if e.token_times else None, preemption_times=e.preemption_times,
+            # A resumed request's prompt holds the output sent before: only the original prompt counts.
+            cached_tokens=None if e.cached_tokens is None else min(e.cached_tokens, prompt_tokens),
         )
 
     async def abort(self, request_id: str) -> None:

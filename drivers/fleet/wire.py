@@ -107,6 +107,7 @@ class TokensEvent(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     first_token_time: float | None = None
     finish_time: float | None = None
     preemption_times: list[float] = []
+    cached_tokens: int | None = None  # prompt tokens this worker's prefix cache served (on the last event)
 
 
 class KeepAlive(msgspec.Struct, frozen=True, tag="keepalive"):

@@ -119,6 +119,23 @@ def test_bad_inputs_get_openai_errors(client: openai.OpenAI) -> None:
     assert empty.value.param == "prompt"
 
 
+def test_cached_prompt_tokens_count_each_prompt_of_a_batch_once(client: openai.OpenAI) -> None:
+    """usage.prompt_tokens_details.cached_tokens counts what the prefix cache served of each prompt, as
+    prompt_tokens counts each prompt: summed over a batch's prompts (it took the largest of them), once for
+    the n choices that share one."""
+    shared = "Sluice keeps a paged KV cache and serves identical prefixes from it. " * 4
+    client.completions.create(model=MODEL, prompt=shared, max_tokens=1)  # its blocks are cached from here on
+    alone = client.completions.create(model=MODEL, prompt=shared, max_tokens=1).usage
+    assert alone.prompt_tokens_details is not None
+    cached = alone.prompt_tokens_details.cached_tokens
+    assert cached >= 16
+    batch = client.completions.create(model=MODEL, prompt=[shared, shared], max_tokens=1).usage
+    assert batch.prompt_tokens == 2 * alone.prompt_tokens
+    assert batch.prompt_tokens_details is not None and batch.prompt_tokens_details.cached_tokens == 2 * cached
+    choices = client.completions.create(model=MODEL, prompt=shared, max_tokens=1, n=2).usage
+    assert choices.prompt_tokens_details is not None and choices.prompt_tokens_details.cached_tokens == cached
+
+
 def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI) -> None:
     """OpenAI's logit_bias reaches the engine's sampler: +100 all but forces a token, -100 bans the one greedy
     decoding would pick; an id outside the vocabulary is a 400."""
