@@ -216,9 +216,12 @@ class CompletionChunks:
         if _nothing_new(chunk, logprobs):
             return None
         lp = None
+        start = self.offsets.get(index, 0)
         if logprobs:
-            lp = _completion_logprobs(chunk.logprobs or [], self.offsets.get(index, 0))
-        self.offsets[index] = self.offsets.get(index, 0) + len(chunk.text)
+            lp = _completion_logprobs(chunk.logprobs or [], start)
+        # By the tokens' own lengths, as the whole answer counts them: a chunk whose text the stream holds
+        # back (a stop string's possible start) still moves the offsets of the tokens after it.
+        self.offsets[index] = start + (sum(len(t.token) for t in chunk.logprobs or []) if logprobs else len(chunk.text))
         finish = str(chunk.finish_reason) if chunk.finish_reason is not None else None
         return self._chunk([CompletionChoice(index, chunk.text, finish, lp)])
 

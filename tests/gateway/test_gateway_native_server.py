@@ -136,6 +136,24 @@ def test_cached_prompt_tokens_count_each_prompt_of_a_batch_once(client: openai.O
     assert choices.prompt_tokens_details is not None and choices.prompt_tokens_details.cached_tokens == cached
 
 
+def test_streamed_text_offsets_equal_the_whole_answers(client: openai.OpenAI) -> None:
+    """A completion's logprobs.text_offset is the same streamed as whole, also where the stream held text back
+    (here " 3, 4, 5, " may begin the stop string and is sent only once "6" rules it out)."""
+    args = {"model": MODEL, "prompt": "Count: 1, 2,", "max_tokens": 12, "temperature": 0, "logprobs": 1,
+            "stop": [" 3, 4, 5, X"]}
+    whole = client.completions.create(**args).choices[0]
+    assert whole.text.startswith(" 3, 4, 5, 6") and whole.logprobs is not None
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for chunk in client.completions.create(**args, stream=True):
+        logprobs = chunk.choices[0].logprobs if chunk.choices else None
+        if logprobs is not None:
+            tokens += logprobs.tokens or []
+            offsets += logprobs.text_offset or []
+    assert tokens == whole.logprobs.tokens
+    assert offsets == whole.logprobs.text_offset
+
+
 def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI) -> None:
     """OpenAI's logit_bias reaches the engine's sampler: +100 all but forces a token, -100 bans the one greedy
     decoding would pick; an id outside the vocabulary is a 400."""
