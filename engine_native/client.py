@@ -202,9 +202,10 @@ class AsyncEngineClient:
         Raises EngineDeadError when the engine is not running."""
         if not self.alive:
             raise EngineDeadError(f"engine {self.config.node_id} is not running: {self.dead_reason}")
+        data = msgspec.msgpack.encode(msg)  # first: a request that cannot be encoded leaves no stream behind
         stream: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
         self._streams[msg.request_id] = stream
-        self._send(msg)
+        self._outbox.put(data)
         return stream
 
     def abort(self, request_ids: list[str]) -> None:

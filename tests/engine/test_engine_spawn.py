@@ -73,6 +73,33 @@ def test_start_takes_over_the_process_that_spawn_began(tiny: Path) -> None:
     assert not _alive(pid)
 
 
+def test_a_request_that_cannot_be_encoded_leaves_no_stream_in_flight(tiny: Path) -> None:
+    """msgpack carries integers below 2**64 only: such a request raises in add() and is not counted in flight
+    (the count routes requests and refuses them past the engine's capacity); the next one is served."""
+
+    async def serve() -> tuple[int, int]:
+        client = AsyncEngineClient(_config(tiny), progress=False)
+        await client.start(timeout_s=120)
+        try:
+            huge = SamplingParams(max_tokens=2, temperature=1.0, seed=2**70)
+            with pytest.raises(OverflowError):
+                client.add(AddRequest(request_id="huge", prompt_token_ids=prompt(8, 0), sampling_params=huge,
+                                      arrival_time=time.time()))
+            after = client.num_in_flight
+            greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+            stream = client.add(AddRequest(request_id="ok", prompt_token_ids=prompt(8, 0), sampling_params=greedy,
+                                           arrival_time=time.time()))
+            while True:
+                out = await asyncio.wait_for(stream.get(), 60)
+                assert isinstance(out, RequestOutput), out
+                if out.finish_reason is not None:
+                    return after, out.num_output_tokens
+        finally:
+            await client.shutdown()
+
+    assert asyncio.run(serve()) == (0, 2)
+
+
 def test_a_process_spawned_and_never_started_does_not_hold_up_its_parents_exit(tiny: Path, tmp_path: Path) -> None:
     """The engine ignores SIGTERM (engine_native/process.py) and its pipe stays open in the parent, so
     multiprocessing's exit handler, which sends SIGTERM and then waits, would wait for it forever."""
