@@ -14,7 +14,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from drivers import retry_after
@@ -45,7 +45,8 @@ from engine_native.config import CacheConfig, EngineConfig, ParallelConfig, Sche
 from engine_native.messages import AddRequest, LogprobEntry, RequestOutput
 from engine_native.messages import FinishReason as EngineFinishReason
 from engine_native.model.bundled import bundled_model_path
-from engine_native.model.tokenizer import Tokenizer
+from engine_native.model.token_bytes import TokenBytes
+from engine_native.model.tokenizer import TextTokenizer, Tokenizer
 from engine_native.model.tokenizer_loader import load_tokenizer
 from engine_native.sampling_params import SamplingParams
 from engine_native.step_trace import trace_file_name
@@ -144,6 +145,7 @@ class NativeDriver(Driver):
         self.supervisor: EngineSupervisor | None = None
         self.engines: list[AsyncEngineClient] = []
         self.tokenizer: Tokenizer | None = None
+        self._token_bytes: TokenBytes | None = None  # logprobs' bytes, built at the first request for them
         self._tokenizer_spec: TokenizerSpec | None = None  # built once: a large tokenizer's JSON is MBs
         self.ready = False  # True once every engine has loaded its model, until stop()
         self.max_model_len = 0
@@ -348,7 +350,7 @@ class NativeDriver(Driver):
             prompt_tokens=out.num_prompt_tokens,
             completion_tokens=out.num_output_tokens,
             finish_reason=_FINISH[out.finish_reason] if out.finish_reason is not None else None,
-            logprobs=[_logprob(e) for e in out.logprobs] if out.logprobs is not None else None,
+            logprobs=[self._logprob(e) for e in out.logprobs] if out.logprobs is not None else None,
             arrival_time=out.arrival_time,
             first_scheduled_time=out.first_scheduled_time,
             first_token_time=out.first_token_time,
@@ -358,6 +360,26 @@ class NativeDriver(Driver):
             preemption_times=out.preemption_times,
             cached_tokens=out.num_cached_tokens,
         )
+
+    def _logprob(self, entry: LogprobEntry) -> TokenLogprob:
+        to_bytes = self._bytes_of_tokens()
+        return TokenLogprob(
+            token=entry.token,
+            logprob=entry.logprob,
+            bytes=list(to_bytes(entry.token_id, entry.token)),
+            top_logprobs=[TopLogprob(t.token, t.logprob, list(to_bytes(t.token_id, t.token))) for t in entry.top],
+        )
+
+    def _bytes_of_tokens(self) -> Callable[[int, str], bytes]:
+        """A token's own bytes (engine_native/model/token_bytes.py), not its text's: a token holding part of
+        a UTF-8 character decodes alone to U+FFFD. Without a tokenizer to read them from, its text's."""
+        tok = self.tokenizer
+        if self._token_bytes is None and isinstance(tok, TextTokenizer):
+            self._token_bytes = TokenBytes(tok)
+        token_bytes = self._token_bytes
+        if token_bytes is None:
+            return lambda _, text: text.encode("utf-8")
+        return lambda token_id, text: token_bytes(token_id) or text.encode("utf-8")
 
     def nodes(self) -> NodesReport:
         return self.router.report() if self.router is not None else NodesReport([], [])
@@ -414,10 +436,3 @@ def _sum_by_key(maps: Iterable[dict[int, int]]) -> dict[int, int]:
     return total
 
 
-def _logprob(entry: LogprobEntry) -> TokenLogprob:
-    return TokenLogprob(
-        token=entry.token,
-        logprob=entry.logprob,
-        bytes=list(entry.token.encode("utf-8")),
-        top_logprobs=[TopLogprob(t.token, t.logprob, list(t.token.encode("utf-8"))) for t in entry.top],
-    )

@@ -178,6 +178,23 @@ def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI) -> None:
     assert "logit_bias" in str(outside.value)
 
 
+def test_logprobs_bytes_are_the_tokens_own_bytes(client: openai.OpenAI) -> None:
+    """A token holding part of a UTF-8 character decodes alone to U+FFFD; its logprob's `bytes` are its own
+    (they join back into the text), not U+FFFD's three. The token is forced with logit_bias."""
+    from engine_native.model.bundled import bundled_model_path
+    from engine_native.model.tokenizer_loader import load_tokenizer
+
+    tok = load_tokenizer(bundled_model_path())
+    assert tok is not None
+    partial = next(i for i in tok.encode("日本語", add_special_tokens=False) if tok.decode([i]) == "\ufffd")
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=1,
+                                         logprobs=True, top_logprobs=2, logit_bias={str(partial): 100})
+    assert out.choices[0].logprobs is not None and out.choices[0].logprobs.content is not None
+    (entry,) = out.choices[0].logprobs.content
+    assert entry.bytes is not None and entry.bytes != [0xEF, 0xBF, 0xBD]
+    assert bytes(entry.bytes) in "日本語".encode() and len(entry.bytes) >= 1
+
+
 def test_integers_past_64_bits_are_400_not_a_crash_of_the_engine_pipe(native: Server) -> None:
     """msgpack carries integers below 2**64 only: such a seed or token id once made a 500 here."""
     url = native.v1 + "/completions"
