@@ -14,7 +14,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from drivers import retry_after
@@ -362,24 +362,20 @@ class NativeDriver(Driver):
         )
 
     def _logprob(self, entry: LogprobEntry) -> TokenLogprob:
-        to_bytes = self._bytes_of_tokens()
         return TokenLogprob(
             token=entry.token,
             logprob=entry.logprob,
-            bytes=list(to_bytes(entry.token_id, entry.token)),
-            top_logprobs=[TopLogprob(t.token, t.logprob, list(to_bytes(t.token_id, t.token))) for t in entry.top],
+            bytes=self._bytes_of(entry.token_id, entry.token),
+            top_logprobs=[TopLogprob(t.token, t.logprob, self._bytes_of(t.token_id, t.token)) for t in entry.top],
         )
 
-    def _bytes_of_tokens(self) -> Callable[[int, str], bytes]:
+    def _bytes_of(self, token_id: int, text: str) -> list[int]:
         """A token's own bytes (engine_native/model/token_bytes.py), not its text's: a token holding part of
         a UTF-8 character decodes alone to U+FFFD. Without a tokenizer to read them from, its text's."""
-        tok = self.tokenizer
-        if self._token_bytes is None and isinstance(tok, TextTokenizer):
-            self._token_bytes = TokenBytes(tok)
-        token_bytes = self._token_bytes
-        if token_bytes is None:
-            return lambda _, text: text.encode("utf-8")
-        return lambda token_id, text: token_bytes(token_id) or text.encode("utf-8")
+        if self._token_bytes is None and isinstance(self.tokenizer, TextTokenizer):
+            self._token_bytes = TokenBytes(self.tokenizer)  # at the first logprobs: not every server needs it
+        own = self._token_bytes(token_id) if self._token_bytes is not None else b""
+        return list(own or text.encode("utf-8"))
 
     def nodes(self) -> NodesReport:
         return self.router.report() if self.router is not None else NodesReport([], [])

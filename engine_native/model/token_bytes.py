@@ -17,22 +17,15 @@ import json
 import re
 from typing import Any
 
+from engine_native.model.gguf_tokenizer import bytes_to_unicode
 from engine_native.model.tokenizer import TextTokenizer
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def byte_stand_ins() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable Latin-1 bytes stand for themselves, every other byte value
-    for the next code point from 256 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    stand_ins: dict[str, int] = {chr(b): b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            stand_ins[chr(256 + extra)] = b
-            extra += 1
-    return stand_ins
+    """GPT-2's byte-level alphabet read backwards: each printable stand-in character -> the byte it spells."""
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _decoder_types(decoder: Any) -> list[str]:
@@ -46,8 +39,10 @@ class TokenBytes:
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tokenizer = tokenizer
-        decoder = json.loads(tokenizer.backend.to_str()).get("decoder")
-        self._stand_ins = byte_stand_ins() if "ByteLevel" in _decoder_types(decoder) else None
+        # The decoder's own JSON (its pickled state), not the whole tokenizer's: that is MBs.
+        decoder = tokenizer.backend.decoder
+        types = _decoder_types(json.loads(decoder.__getstate__())) if decoder is not None else []
+        self._stand_ins = byte_stand_ins() if "ByteLevel" in types else None
 
     def __call__(self, token_id: int) -> bytes:
         tok = self._tokenizer
